@@ -1,0 +1,59 @@
+"""``agentsandbox`` subcommands.
+
+Each subcommand lives in the module that owns its contract and exposes
+``main(argv) -> int``; this file only maps names to modules and imports the one
+asked for, so ``agentsandbox hook pretooluse`` or ``agentsandbox gpg`` never pay
+for Twisted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from agentsandbox import __version__
+
+#: name -> (module, function, one line of help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "config": ("agentsandbox.commands", "configMain", "print the effective config and its file"),
+    "render": ("agentsandbox.commands", "renderMain", "print a rendered file: claude | srt"),
+    "install": ("agentsandbox.claude", "installMain", "install the Claude Code drop-in"),
+    "check": ("agentsandbox.commands", "checkMain", "explain a decision: read|write PATH, host HOST[:PORT]"),
+    "hook": ("agentsandbox.hook", "main", "Claude Code hooks: pretooluse | sessionstart"),
+}
+
+
+def usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [
+        "usage: agentsandbox [--version] COMMAND [ARGS...]",
+        "",
+        "Run AI coding agents under one policy: paths, hosts and credentials.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name.ljust(width)}  {help}" for name, (_, _, help) in COMMANDS.items()]
+    lines += ["", "'agentsandbox COMMAND --help' shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"agentsandbox {__version__}")
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"agentsandbox: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, function, _ = COMMANDS[name]
+    entry = getattr(importlib.import_module(module), function)
+    result: int = entry(args[1:])
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,653 @@
+"""The config file: TOML in, a frozen Config out.  Every error names the file and the key.
+
+Lookup order: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > ``~/.config/agentsandbox/config.toml``
+> ``/etc/agentsandbox/config.toml`` > the built-in defaults.  Unknown keys are errors,
+because a typo must never silently weaken a policy.
+
+Stdlib only: the hook loads the config on every file-tool call.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from agentsandbox.egress.rules import AllowList, Entry, EntryError, isLoopbackName
+from agentsandbox.paths import CONFIG_ENV, SYSTEM_CONFIG, Paths
+
+BUILTIN = "<built-in defaults>"
+
+DEFAULT_PROXY_PORT = 3190
+
+#: Credential-looking variables the SessionStart hook unsets in sandboxed Bash.
+DEFAULT_UNSET_ENV = (
+    "*_TOKEN",
+    "*_TOKEN_*",
+    "*_API_KEY",
+    "*_APIKEY",
+    "*_SECRET",
+    "*_SECRET_*",
+    "*SECRET_KEY*",
+    "*_PASSWORD*",
+    "*_PASSWD*",
+    "*_CREDENTIALS",
+    "*_PAT",
+    "AWS_*",
+    "AZURE_CLIENT_SECRET",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GH_ENTERPRISE_TOKEN",
+    "GITHUB_TOKEN",
+    "GH_TOKEN",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "CLAUDE_CODE_OAUTH_TOKEN",
+    "OPENAI_API_KEY",
+    "NPM_TOKEN",
+    "NODE_AUTH_TOKEN",
+    "PYPI_TOKEN",
+    "TWINE_PASSWORD",
+    "DOCKER_AUTH_CONFIG",
+    "KUBECONFIG",
+    "VAULT_TOKEN",
+    "SSH_AUTH_SOCK",
+    "SSH_AGENT_PID",
+    "GPG_AGENT_INFO",
+    "DBUS_SESSION_BUS_ADDRESS",
+)
+
+#: Variables `agentsandbox run` passes to the command; everything else is dropped.
+DEFAULT_RUN_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TERM",
+    "COLORTERM",
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "TZ",
+    "EDITOR",
+    "VISUAL",
+    "PAGER",
+)
+
+GITHUB_HOSTS = ("github.com", "api.github.com", "uploads.github.com")
+
+
+class ConfigError(Exception):
+    """A config that cannot be used.  ``str()`` is ``FILE: KEY: WHY``."""
+
+    def __init__(self, source: str, key: str, why: str) -> None:
+        super().__init__(f"{source}: {key}: {why}" if key else f"{source}: {why}")
+        self.source = source
+        self.key = key
+        self.why = why
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """Where a token comes from: exactly one of command, file and env."""
+
+    command: tuple[str, ...] | None = None
+    file: str | None = None
+    env: str | None = None
+    renew: float = 300.0
+    timeout: float = 30.0
+
+    def describe(self) -> str:
+        if self.command is not None:
+            return "command " + " ".join(self.command)
+        if self.file is not None:
+            return "file " + self.file
+        return f"environment variable {self.env}"
+
+
+@dataclass(frozen=True)
+class InjectRule:
+    """Set ``header`` to ``format`` on requests to ``hosts`` (TLS terminated on 443).
+
+    ``format`` may hold ``{token}`` and ``{basic}``; ``{basic}`` is
+    ``base64(basic_user + ":" + token)``.
+    """
+
+    hosts: tuple[str, ...]
+    header: str
+    format: str
+    token: TokenSource
+    basic_user: str | None = None
+
+    def render(self, token: str) -> str:
+        import base64
+
+        basic = ""
+        if self.basic_user is not None:
+            basic = base64.b64encode(f"{self.basic_user}:{token}".encode()).decode("ascii")
+        return self.format.replace("{token}", token).replace("{basic}", basic)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The egress proxy.  ``port`` is the loopback port the sandbox's bridges dial."""
+
+    port: int = DEFAULT_PROXY_PORT
+    listen: str | None = None
+    parent: str | None = None
+    max_tunnels: int = 1024
+    header_timeout: float = 60.0
+    idle_timeout: float = 600.0
+
+    @property
+    def endpoint(self) -> str:
+        """The Twisted server endpoint string the proxy listens on."""
+        return self.listen or f"tcp:{self.port}:interface=127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """A named host command a sandboxed session may ask the broker to run."""
+
+    name: str
+    argv: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    timeout: float = 600.0
+    stream: bool = True
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    spool: str
+    sign_program: str | None = None
+    ssh_key: str | None = None
+    kubeconfig: str | None = None
+    run: tuple[RunCommand, ...] = ()
+
+    def command(self, name: str) -> RunCommand | None:
+        for c in self.run:
+            if c.name == name:
+                return c
+        return None
+
+
+@dataclass(frozen=True)
+class ScopeConfig:
+    slice: str = "agentsandbox.slice"
+    memory_max: str = "8G"
+    memory_swap_max: str = "0"
+    cpu_quota: str | None = None
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    file: str
+    max_bytes: int = 10 * 1024 * 1024
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    domains: tuple[str, ...] = ()
+    unset_env: tuple[str, ...] = DEFAULT_UNSET_ENV
+    keep_env: tuple[str, ...] = ()
+
+    @property
+    def allowList(self) -> AllowList:
+        return AllowList.parse(self.domains)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    env: tuple[str, ...] = DEFAULT_RUN_ENV
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    paths: Paths
+    sandbox: SandboxConfig
+    proxy: ProxyConfig
+    inject: tuple[InjectRule, ...]
+    broker: BrokerConfig
+    scope: ScopeConfig
+    audit: AuditConfig
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def injectFor(self, host: str) -> InjectRule | None:
+        for rule in self.inject:
+            if host in rule.hosts:
+                return rule
+        return None
+
+
+def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
+    """The built-in rule: one ``gh auth token`` for GitHub's three hosts."""
+    source = token or TokenSource(command=("gh", "auth", "token"))
+    return (
+        InjectRule(
+            hosts=("github.com",),
+            header="Authorization",
+            format="Basic {basic}",
+            basic_user="x-access-token",
+            token=source,
+        ),
+        InjectRule(
+            hosts=("api.github.com", "uploads.github.com"),
+            header="Authorization",
+            format="token {token}",
+            token=source,
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def locate(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The config file that applies, or None for the built-in defaults."""
+    env = os.environ if environ is None else environ
+    if explicit:
+        return explicit
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV]
+    user = Paths.fromEnvironment(env).userConfig
+    if os.path.exists(user):
+        return user
+    if os.path.exists(SYSTEM_CONFIG):
+        return SYSTEM_CONFIG
+    return None
+
+
+def load(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Find, read and validate the config.  Raises ConfigError."""
+    env = os.environ if environ is None else environ
+    paths = Paths.fromEnvironment(env)
+    path = locate(explicit, env)
+    if path is None:
+        return parse({}, BUILTIN, paths)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(path, "", f"cannot read the config: {e.strerror or e}") from None
+    return loads(raw, path, paths)
+
+
+def loads(raw: bytes, source: str, paths: Paths) -> Config:
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, "", f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(source, "", f"not valid TOML: {e}") from None
+    return parse(data, source, paths)
+
+
+# --------------------------------------------------------------------------- parsing
+
+T = TypeVar("T")
+
+
+class _Table:
+    """A TOML table being read: tracks which keys were used, so the rest are errors."""
+
+    def __init__(self, source: str, prefix: str, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(source, prefix, f"must be a table, not {_typeName(data)}")
+        self.source = source
+        self.prefix = prefix
+        self.data: dict[str, Any] = data
+        self.seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def error(self, name: str, why: str) -> ConfigError:
+        return ConfigError(self.source, self.key(name), why)
+
+    def get(self, name: str, kind: type[T], default: T) -> T:
+        self.seen.add(name)
+        if name not in self.data:
+            return default
+        value = self.data[name]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.error(name, f"must be {_kindName(kind)}, not {_typeName(value)}")
+        return value
+
+    def strings(self, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        self.seen.add(name)
+        if name not in self.data:
+            return default
+        value = self.data[name]
+        if not isinstance(value, list):
+            raise self.error(name, f"must be a list of strings, not {_typeName(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise self.error(f"{name}[{i}]", f"must be a string, not {_typeName(item)}")
+        return tuple(value)
+
+    def table(self, name: str) -> _Table:
+        self.seen.add(name)
+        return _Table(self.source, self.key(name), self.data.get(name, {}))
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            raise self.error(unknown[0], "unknown key (a typo here must not weaken the policy)")
+
+
+def _typeName(v: Any) -> str:
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a table",
+    }.get(type(v), type(v).__name__)
+
+
+def _kindName(kind: type) -> str:
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+    }.get(kind, kind.__name__)
+
+
+def _absPath(t: _Table, name: str, value: str, paths: Paths) -> str:
+    if "\0" in value:
+        raise t.error(name, "a path cannot contain a NUL byte")
+    expanded = paths.expandUser(value)
+    if not os.path.isabs(expanded):
+        raise t.error(name, f"{value!r} is not absolute (write it as ~/… or /…)")
+    return os.path.normpath(expanded)
+
+
+def _paths(t: _Table, name: str, paths: Paths) -> tuple[str, ...]:
+    values = t.strings(name, ())
+    return tuple(_absPath(t, f"{name}[{i}]", v, paths) for i, v in enumerate(values))
+
+
+def _positive(t: _Table, name: str, kind: type[T], default: T) -> T:
+    v = t.get(name, kind, default)
+    if v <= 0:  # type: ignore[operator]
+        raise t.error(name, "must be greater than zero")
+    return v
+
+
+_SIZE = re.compile(r"^(infinity|[0-9]+[KMGTkmgt]?)$")
+_PERCENT = re.compile(r"^[0-9]+%$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]]+$")
+_HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
+    root = _Table(source, "", dict(data))
+    sandbox = _parseSandbox(root.table("sandbox"), paths)
+    proxy = _parseProxy(root.table("proxy"))
+    _checkDomains(root.table("sandbox"), sandbox.domains, proxy.port)
+    inject = _parseInject(root, paths)
+    broker = _parseBroker(root.table("broker"), paths)
+    scope = _parseScope(root.table("scope"))
+    audit = _parseAudit(root.table("audit"), paths)
+    run = _parseRun(root.table("run"))
+    root.finish()
+    config = Config(
+        source=source,
+        paths=paths,
+        sandbox=sandbox,
+        proxy=proxy,
+        inject=inject,
+        broker=broker,
+        scope=scope,
+        audit=audit,
+        run=run,
+    )
+    _checkLayout(config)
+    return config
+
+
+def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
+    read = _paths(t, "read", paths)
+    write = _paths(t, "write", paths)
+    deny = _paths(t, "deny", paths)
+    domains = t.strings("domains", ())
+    unset = t.strings("unset_env", DEFAULT_UNSET_ENV)
+    keep = t.strings("keep_env", ())
+    for key, values in (("unset_env", unset), ("keep_env", keep)):
+        for i, v in enumerate(values):
+            if not _ENV_PATTERN.match(v):
+                raise t.error(f"{key}[{i}]", f"{v!r} is not a variable name or a */? pattern")
+    t.finish()
+    return SandboxConfig(
+        read=read, write=write, deny=deny, domains=domains, unset_env=unset, keep_env=keep
+    )
+
+
+def _checkDomains(t: _Table, domains: tuple[str, ...], proxyPort: int) -> None:
+    for i, text in enumerate(domains):
+        key = f"domains[{i}]"
+        try:
+            entry = Entry.parse(text)
+        except EntryError as e:
+            raise t.error(key, str(e)) from None
+        if entry.opensLoopback():
+            if entry.port is None:
+                raise t.error(
+                    key,
+                    f"{text!r} would open every loopback port; loopback is reachable only "
+                    "through an explicit IP:port entry such as 127.0.0.1:6443",
+                )
+            if entry.network is not None:
+                raise t.error(
+                    key, f"{text!r}: loopback is reachable only through an explicit IP:port entry"
+                )
+            if entry.port == proxyPort and entry.host is not None and isLoopbackName(entry.host):
+                raise t.error(
+                    key, f"{text!r} is the egress proxy itself (proxy.port = {proxyPort})"
+                )
+
+
+def _parseProxy(t: _Table) -> ProxyConfig:
+    port = t.get("port", int, DEFAULT_PROXY_PORT)
+    if not 0 < port < 65536:
+        raise t.error("port", f"{port} is not a port from 1 to 65535")
+    listen = t.get("listen", str, "") or None
+    parent = t.get("parent", str, "") or None
+    if parent is not None and not re.match(r"^http://[^/@\s]+:[0-9]+/?$", parent):
+        raise t.error("parent", f"{parent!r} must be http://HOST:PORT (an HTTP CONNECT proxy)")
+    proxy = ProxyConfig(
+        port=port,
+        listen=listen,
+        parent=parent,
+        max_tunnels=_positive(t, "max_tunnels", int, 1024),
+        header_timeout=_positive(t, "header_timeout", float, 60.0),
+        idle_timeout=_positive(t, "idle_timeout", float, 600.0),
+    )
+    t.finish()
+    return proxy
+
+
+def _parseToken(t: _Table, paths: Paths) -> TokenSource:
+    command = t.strings("token_command", ())
+    file = t.get("token_file", str, "")
+    env = t.get("token_env", str, "")
+    given = [k for k, v in (("token_command", command), ("token_file", file), ("token_env", env)) if v]
+    if len(given) != 1:
+        raise t.error(
+            "token_command",
+            "give exactly one of token_command, token_file and token_env"
+            + (f" (found {', '.join(given)})" if given else ""),
+        )
+    if env and not _ENV_NAME.match(env):
+        raise t.error("token_env", f"{env!r} is not a variable name")
+    renew = _positive(t, "renew", float, 300.0)
+    timeout = _positive(t, "token_timeout", float, 30.0)
+    return TokenSource(
+        command=command or None,
+        file=_absPath(t, "token_file", file, paths) if file else None,
+        env=env or None,
+        renew=renew,
+        timeout=timeout,
+    )
+
+
+def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
+    root.seen.add("inject")
+    if "inject" not in root.data:
+        return githubRules()
+    value = root.data["inject"]
+    if not isinstance(value, list):
+        raise root.error("inject", "must be an array of tables ([[inject]])")
+    rules: list[InjectRule] = []
+    claimed: dict[str, int] = {}
+    for i, item in enumerate(value):
+        t = _Table(root.source, f"inject[{i}]", item)
+        hosts = t.strings("hosts", ())
+        if not hosts:
+            raise t.error("hosts", "list at least one host")
+        canon: list[str] = []
+        for j, h in enumerate(hosts):
+            try:
+                entry = Entry.parse(h)
+            except EntryError as e:
+                raise t.error(f"hosts[{j}]", str(e)) from None
+            if entry.host is None or entry.port is not None or entry.isAddressEntry:
+                raise t.error(f"hosts[{j}]", f"{h!r} must be a plain host name (no port, wildcard or IP)")
+            if entry.host in claimed:
+                raise t.error(
+                    f"hosts[{j}]", f"{entry.host} already has a rule (inject[{claimed[entry.host]}])"
+                )
+            claimed[entry.host] = i
+            canon.append(entry.host)
+        header = t.get("header", str, "Authorization")
+        if not _HEADER.match(header):
+            raise t.error("header", f"{header!r} is not an HTTP header name")
+        fmt = t.get("format", str, "Bearer {token}")
+        basicUser = t.get("basic_user", str, "") or None
+        if "{token}" not in fmt and "{basic}" not in fmt:
+            raise t.error("format", "must contain {token} or {basic}")
+        if "{basic}" in fmt and basicUser is None:
+            raise t.error("basic_user", "{basic} in format needs basic_user")
+        if any(c in fmt for c in "\r\n\0"):
+            raise t.error("format", "cannot contain CR, LF or NUL")
+        token = _parseToken(t, paths)
+        t.finish()
+        rules.append(
+            InjectRule(
+                hosts=tuple(canon), header=header, format=fmt, basic_user=basicUser, token=token
+            )
+        )
+    return tuple(rules)
+
+
+def _parseBroker(t: _Table, paths: Paths) -> BrokerConfig:
+    spool = t.get("spool", str, "")
+    spoolPath = _absPath(t, "spool", spool, paths) if spool else paths.defaultSpool
+    sign = t.table("sign")
+    program = sign.get("program", str, "") or None
+    sshKey = sign.get("ssh_key", str, "")
+    sign.finish()
+    kube = t.get("kubeconfig", str, "")
+    runTable = t.table("run")
+    commands: list[RunCommand] = []
+    for name in sorted(runTable.data):
+        runTable.seen.add(name)
+        if not _RUN_NAME.match(name):
+            raise runTable.error(name, "a command name is lower case letters, digits, '.', '_', '-'")
+        c = _Table(t.source, runTable.key(name), runTable.data[name])
+        argv = c.strings("argv", ())
+        if not argv:
+            raise c.error("argv", "list the program and its fixed arguments")
+        if not os.path.isabs(paths.expandUser(argv[0])):
+            raise c.error("argv[0]", f"{argv[0]!r} must be an absolute path to the program")
+        patterns = c.strings("args", ())
+        for i, p in enumerate(patterns):
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise c.error(f"args[{i}]", f"not a regular expression: {e}") from None
+        envNames = c.strings("env", ())
+        for i, n in enumerate(envNames):
+            if not _ENV_NAME.match(n):
+                raise c.error(f"env[{i}]", f"{n!r} is not a variable name")
+        commands.append(
+            RunCommand(
+                name=name,
+                argv=(paths.expandUser(argv[0]), *argv[1:]),
+                args=patterns,
+                timeout=_positive(c, "timeout", float, 600.0),
+                stream=c.get("stream", bool, True),
+                env=envNames,
+            )
+        )
+        c.finish()
+    t.finish()
+    return BrokerConfig(
+        spool=spoolPath,
+        sign_program=program,
+        ssh_key=_absPath(sign, "ssh_key", sshKey, paths) if sshKey else None,
+        kubeconfig=_absPath(t, "kubeconfig", kube, paths) if kube else None,
+        run=tuple(commands),
+    )
+
+
+def _parseScope(t: _Table) -> ScopeConfig:
+    sliceName = t.get("slice", str, "agentsandbox.slice")
+    if not re.match(r"^[A-Za-z0-9_.-]+\.slice$", sliceName) or ".." in sliceName:
+        raise t.error("slice", f"{sliceName!r} is not a systemd slice name (NAME.slice)")
+    memMax = t.get("memory_max", str, "8G")
+    swapMax = t.get("memory_swap_max", str, "0")
+    for key, v in (("memory_max", memMax), ("memory_swap_max", swapMax)):
+        if not _SIZE.match(v):
+            raise t.error(key, f"{v!r} is not a size (bytes, or a number with K, M, G or T, or infinity)")
+    cpu = t.get("cpu_quota", str, "") or None
+    if cpu is not None and not _PERCENT.match(cpu):
+        raise t.error("cpu_quota", f"{cpu!r} is not a percentage such as 200%")
+    t.finish()
+    return ScopeConfig(slice=sliceName, memory_max=memMax, memory_swap_max=swapMax, cpu_quota=cpu)
+
+
+def _parseAudit(t: _Table, paths: Paths) -> AuditConfig:
+    file = t.get("file", str, "")
+    audit = AuditConfig(
+        file=_absPath(t, "file", file, paths) if file else paths.auditLog,
+        max_bytes=_positive(t, "max_bytes", int, 10 * 1024 * 1024),
+        keep=_positive(t, "keep", int, 3),
+    )
+    t.finish()
+    return audit
+
+
+def _parseRun(t: _Table) -> RunConfig:
+    env = t.strings("env", DEFAULT_RUN_ENV)
+    for i, v in enumerate(env):
+        if not _ENV_PATTERN.match(v):
+            raise t.error(f"env[{i}]", f"{v!r} is not a variable name or a */? pattern")
+    t.finish()
+    return RunConfig(env=env)
+
+
+def _checkLayout(config: Config) -> None:
+    """Refuse layouts the sandbox cannot mount (see policy.nestedError)."""
+    from agentsandbox.policy import Policy
+
+    policy = Policy.fromConfig(config)
+    why = policy.nestedError()
+    if why is not None:
+        raise ConfigError(config.source, "sandbox.write", why)
+

@@ -1,0 +1,84 @@
+"""Where things live: the XDG directories, the managed-settings directory, the spool.
+
+Every function takes the environment it reads as an argument (defaulting to
+``os.environ``) so tests can describe a whole user without touching the
+process's own environment.  Stdlib only: the hook imports this.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+APP = "agentsandbox"
+DROP_IN_NAME = "50-agentsandbox.json"
+CONFIG_ENV = "AGENTSANDBOX_CONFIG"
+SYSTEM_CONFIG = "/etc/agentsandbox/config.toml"
+
+
+def managedDir() -> str:
+    """Claude Code's managed-settings root on this platform."""
+    if sys.platform == "darwin":
+        return "/Library/Application Support/ClaudeCode"
+    return "/etc/claude-code"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The per-user locations agentsandbox reads and writes."""
+
+    home: str
+    configHome: str
+    stateDir: str
+    runtimeDir: str | None
+    claudeDir: str
+
+    @classmethod
+    def fromEnvironment(cls, environ: Mapping[str, str] | None = None) -> Paths:
+        env = os.environ if environ is None else environ
+        home = env.get("HOME") or os.path.expanduser("~")
+        home = os.path.normpath(home)
+        configHome = env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+        stateHome = env.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
+        runtime = env.get("XDG_RUNTIME_DIR") or None
+        claude = env.get("CLAUDE_CONFIG_DIR") or os.path.join(home, ".claude")
+        return cls(
+            home=home,
+            configHome=os.path.normpath(configHome),
+            stateDir=os.path.normpath(os.path.join(stateHome, APP)),
+            runtimeDir=os.path.normpath(runtime) if runtime else None,
+            claudeDir=os.path.normpath(claude),
+        )
+
+    @property
+    def userConfig(self) -> str:
+        return os.path.join(self.configHome, APP, "config.toml")
+
+    @property
+    def configDir(self) -> str:
+        return os.path.join(self.configHome, APP)
+
+    @property
+    def defaultSpool(self) -> str:
+        return os.path.join(self.stateDir, "spool")
+
+    @property
+    def auditLog(self) -> str:
+        return os.path.join(self.stateDir, "audit.jsonl")
+
+    @property
+    def egressDir(self) -> str | None:
+        """The CA bundle and gh config the sandbox reads; None without a runtime dir."""
+        if self.runtimeDir is None:
+            return None
+        return os.path.join(self.runtimeDir, APP, "egress")
+
+    def expandUser(self, path: str) -> str:
+        """Expand a leading ``~`` or ``~/`` against this user's home."""
+        if path == "~":
+            return self.home
+        if path.startswith("~/"):
+            return os.path.join(self.home, path[2:])
+        return path
