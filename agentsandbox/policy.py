@@ -62,23 +62,10 @@ def resolve(path: str, cwd: str, home: str) -> str:
     path = os.path.normpath(path)
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
-    tail: list[str] = []
-    head = path
-    while True:
-        try:
-            real = os.path.realpath(head, strict=True)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # EACCES, ENOTDIR, ELOOP: nothing sound to resolve; decide on the clean path.
-            return path
-        else:
-            return os.path.normpath(os.path.join(real, *reversed(tail))) if tail else real
-        parent, name = os.path.split(head)
-        if parent == head:
-            return path
-        tail.append(name)
-        head = parent
+    # Non-strict realpath follows every link it can read, dangling ones included, and
+    # keeps missing components as they are: a Write through a dangling link creates
+    # the link's target, so the target is what must be decided.
+    return os.path.realpath(path)
 
 
 def _withTargets(paths: Iterable[str]) -> tuple[str, ...]:

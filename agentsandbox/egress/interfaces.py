@@ -1,0 +1,47 @@
+"""The contracts between the egress proxy's parts.
+
+The front door (proxy.py) decides; it resolves names once through an
+``IResolver``, checks every address, and then either splices an opaque tunnel to
+a checked address through a ``Dialer``, or hands the client's connection to an
+``ITerminator`` when the host has an inject rule and the port is 443.  Tests
+inject all three, so no config key can point the proxy somewhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
+from zope.interface import Interface
+
+from agentsandbox.egress.rules import IPAddress
+
+#: Returns the endpoint that reaches a checked address.  The default makes a
+#: TCP4/TCP6 client endpoint; tests map documentation addresses to loopback
+#: listeners so the address rules stay real.
+Dialer = Callable[[IPAddress, int], IStreamClientEndpoint]
+
+
+class IResolver(Interface):
+    """Resolves a host name once, to every A and AAAA answer."""
+
+    def resolve(host: str, port: int) -> Deferred[Sequence[IPAddress]]:
+        """All addresses ``host`` resolves to, in the resolver's order.
+
+        Fails with ``agentsandbox.egress.resolve.ResolveError`` naming the host when
+        nothing answers.
+        """
+
+
+class ITerminator(Interface):
+    """Serves a granted tunnel to an injected host with our own TLS."""
+
+    def terminate(host: str, addresses: Sequence[IPAddress]) -> IProtocol:
+        """A fresh protocol for the client side of a granted tunnel.
+
+        ``host`` is the canonical tunnel host (it has an inject rule; the port
+        is 443); ``addresses`` are the checked addresses the upstream may be
+        dialled at, in order.  The proxy calls ``makeConnection`` with the
+        client's transport and then feeds it every byte the client sends.
+        """
