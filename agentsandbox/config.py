@@ -79,6 +79,10 @@ DEFAULT_RUN_ENV = (
 
 GITHUB_HOSTS = ("github.com", "api.github.com", "uploads.github.com")
 
+#: The allow list when the config names none: GitHub, whose token the built-in
+#: inject rule sets.  A config's own ``domains`` replaces it.
+DEFAULT_DOMAINS = ("github.com", "*.github.com", "*.githubusercontent.com")
+
 
 class ConfigError(Exception):
     """A config that cannot be used.  ``str()`` is ``FILE: KEY: WHY``."""
@@ -195,7 +199,7 @@ class SandboxConfig:
     read: tuple[str, ...] = ()
     write: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
-    domains: tuple[str, ...] = ()
+    domains: tuple[str, ...] = DEFAULT_DOMAINS
     unset_env: tuple[str, ...] = DEFAULT_UNSET_ENV
     keep_env: tuple[str, ...] = ()
 
@@ -425,7 +429,7 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
     read = _paths(t, "read", paths)
     write = _paths(t, "write", paths)
     deny = _paths(t, "deny", paths)
-    domains = t.strings("domains", ())
+    domains = t.strings("domains", DEFAULT_DOMAINS)
     unset = t.strings("unset_env", DEFAULT_UNSET_ENV)
     keep = t.strings("keep_env", ())
     for key, values in (("unset_env", unset), ("keep_env", keep)):

@@ -130,7 +130,7 @@ class Policy:
             *config.sandbox.read,
         ]
         if configFile is not None:
-            read.append(os.path.dirname(configFile))
+            read.append(configFile)
         egress = paths.egressDir
         if egress is not None:
             read.append(egress)
@@ -234,6 +234,9 @@ class Policy:
         """bubblewrap mounts a readable parent read-only over a writable child."""
         for w in self.write:
             for r in self.read:
+                # Only re-allowed paths inside a closed dir become read-only mounts.
+                if not any(under(r, c) for c in self.closed()):
+                    continue
                 if w != r and under(w, r):
                     return (
                         f"the writable path {w} lies inside the readable path {r}: the sandbox "

@@ -1,0 +1,5 @@
+import sys
+
+from agentsandbox.cli import main
+
+sys.exit(main())

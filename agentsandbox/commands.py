@@ -1,0 +1,151 @@
+"""The small explain-and-print commands: ``config``, ``render``, ``check``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.policy import Policy
+
+
+def _load(path: str | None) -> Config | None:
+    try:
+        return load(path)
+    except ConfigError as e:
+        print(f"agentsandbox: {e}", file=sys.stderr)
+        return None
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"agentsandbox {prog}", description=description)
+    p.add_argument("--config", help="config file (default: the usual lookup)")
+    return p
+
+
+def configMain(argv: list[str]) -> int:
+    p = _parser("config", "Print the effective config and the file it came from.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    args = p.parse_args(argv)
+    config = _load(args.config)
+    if config is None:
+        return 1
+    data: dict[str, Any] = asdict(config)
+    data.pop("paths")
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    print(f"# effective config, from {config.source}")
+    for section in ("sandbox", "proxy", "broker", "scope", "audit", "run"):
+        print(f"\n[{section}]")
+        for key, value in data[section].items():
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                for item in value:
+                    print(f"# {section}.{key}: {json.dumps(item, sort_keys=True)}")
+                continue
+            print(f"{key} = {json.dumps(value)}")
+    for rule in data["inject"]:
+        print("\n[[inject]]")
+        token = rule.pop("token")
+        for key, value in rule.items():
+            print(f"{key} = {json.dumps(value)}")
+        for key, value in token.items():
+            print(f"# token {key} = {json.dumps(value)}")
+    return 0
+
+
+def renderMain(argv: list[str]) -> int:
+    p = _parser("render", "Print a file rendered from the policy.")
+    p.add_argument("what", choices=["claude", "srt"], help="claude: the managed-settings drop-in; srt: srt settings")
+    args = p.parse_args(argv)
+    config = _load(args.config)
+    if config is None:
+        return 1
+    policy = Policy.fromConfig(config)
+    if args.what == "claude":
+        from agentsandbox import claude
+
+        sys.stdout.write(claude.dumps(claude.render(policy)))
+    else:
+        from agentsandbox import srt
+
+        sys.stdout.write(srt.dumps(srt.render(policy)))
+    return 0
+
+
+def checkMain(argv: list[str]) -> int:
+    p = _parser("check", "Explain a decision: may a session read or write a path, or reach a host?")
+    sub = p.add_subparsers(dest="kind", required=True)
+    for kind in ("read", "write"):
+        s = sub.add_parser(kind, help=f"may a session {kind} PATH")
+        s.add_argument("path")
+        s.add_argument("--cwd", default=os.getcwd(), help="the session's working directory")
+    h = sub.add_parser("host", help="may a session reach HOST[:PORT] (port defaults to 443)")
+    h.add_argument("target")
+    h.add_argument("--resolve", action="store_true", help="resolve the name and decide each address too")
+    args = p.parse_args(argv)
+    config = _load(args.config)
+    if config is None:
+        return 2
+    if args.kind in ("read", "write"):
+        policy = Policy.fromConfig(config)
+        why = (policy.whyReadable if args.kind == "read" else policy.whyWritable)(args.path, args.cwd)
+        if why is not None:
+            print(f"allowed: a session may {args.kind} {args.path} ({why})")
+            return 0
+        denied = policy.deniedBy(args.path, args.cwd)
+        if denied is not None:
+            print(f"refused: {args.path} is inside {denied} (sandbox.deny)")
+        else:
+            key = "sandbox.read" if args.kind == "read" else "sandbox.write"
+            print(f"refused: no rule lets a session {args.kind} {args.path}; add it or a parent to {key}")
+        return 1
+    return _checkHost(config, args.target, args.resolve)
+
+
+def splitTarget(target: str) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 literal; port defaults to 443."""
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else 443
+    if target.count(":") == 1:
+        host, _, port = target.partition(":")
+        return host, int(port)
+    return target, 443
+
+
+def _checkHost(config: Config, target: str, resolve: bool) -> int:
+    try:
+        host, port = splitTarget(target)
+    except ValueError:
+        print(f"refused: {target!r} is not HOST[:PORT]")
+        return 1
+    entry = config.sandbox.allowList.byName(host, port)
+    if entry is None:
+        print(f"refused: {host}:{port} is not on the allow list; add it to sandbox.domains")
+        return 1
+    print(f"allowed by name: {host}:{port} matches sandbox.domains entry {entry.text!r}")
+    if config.injectFor(host.lower().rstrip(".")) is not None and port == 443:
+        print(f"  the proxy terminates TLS for {host} and sets its credential header")
+    if not resolve:
+        return 0
+    describe = _describeResolved()
+    if describe is None:
+        print("  --resolve needs the egress proxy's resolver, which this build lacks")
+        return 1
+    ok, lines = describe(config, host, port)
+    for line in lines:
+        print(f"  {line}")
+    return 0 if ok else 1
+
+
+def _describeResolved() -> Any:
+    try:
+        from agentsandbox.egress.resolve import describeResolved
+    except ImportError:
+        return None
+    return describeResolved
