@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentsandbox.egress.rules import AllowList, Entry, EntryError, isLoopbackName
-from agentsandbox.paths import CONFIG_ENV, SYSTEM_CONFIG, Paths
+from agentsandbox.paths import Paths, locateConfig
 
 BUILTIN = "<built-in defaults>"
 
@@ -257,17 +257,7 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
 
 def locate(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
     """The config file that applies, or None for the built-in defaults."""
-    env = os.environ if environ is None else environ
-    if explicit:
-        return explicit
-    if env.get(CONFIG_ENV):
-        return env[CONFIG_ENV]
-    user = Paths.fromEnvironment(env).userConfig
-    if os.path.exists(user):
-        return user
-    if os.path.exists(SYSTEM_CONFIG):
-        return SYSTEM_CONFIG
-    return None
+    return locateConfig(explicit, environ)
 
 
 def load(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> Config:

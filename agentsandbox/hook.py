@@ -17,9 +17,14 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import IO, Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import IO, Any
+
+    from agentsandbox.policy import Policy
 
 MAX_INPUT = 1024 * 1024
 
@@ -136,21 +141,19 @@ def decide(event: Any, environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def _policy(environ: Mapping[str, str]) -> tuple[Any, str]:
-    from agentsandbox.config import ConfigError, load
-    from agentsandbox.policy import Policy
+def _policy(environ: Mapping[str, str]) -> tuple[Policy, str]:
+    from agentsandbox.policy import PolicyUnavailable, cachedPolicy
 
     try:
-        config = load(None, environ)
-    except ConfigError as e:
+        return cachedPolicy(environ)
+    except PolicyUnavailable as e:
         raise Refusal(
             f"agentsandbox refused this call because its config cannot be loaded, so no "
             f"file access is allowed until it is fixed: {e}"
         ) from None
-    return Policy.fromConfig(config, environ), config.source
 
 
-def _refuse(policy: Any, source: str, path: str, shown: str, cwd: str, mode: str) -> str:
+def _refuse(policy: Policy, source: str, path: str, shown: str, cwd: str, mode: str) -> str:
     denied = policy.deniedBy(path, cwd)
     where = f" in {source}" if source.startswith("/") else ""
     if denied is not None:

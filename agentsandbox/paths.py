@@ -2,15 +2,21 @@
 
 Every function takes the environment it reads as an argument (defaulting to
 ``os.environ``) so tests can describe a whole user without touching the
-process's own environment.  Stdlib only: the hook imports this.
+process's own environment.
+
+Stdlib only, and no ``dataclasses`` or ``typing`` at run time: the hook imports
+this on every file-tool call, and those imports alone would cost more than the
+hook's whole time budget.  ``Paths`` is therefore a small slotted value class.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 APP = "agentsandbox"
 DROP_IN_NAME = "50-agentsandbox.json"
@@ -25,15 +31,43 @@ def managedDir() -> str:
     return "/etc/claude-code"
 
 
-@dataclass(frozen=True)
 class Paths:
-    """The per-user locations agentsandbox reads and writes."""
+    """The per-user locations agentsandbox reads and writes (immutable)."""
+
+    __slots__ = ("claudeDir", "configHome", "home", "runtimeDir", "stateDir")
 
     home: str
     configHome: str
     stateDir: str
     runtimeDir: str | None
     claudeDir: str
+
+    def __init__(
+        self, home: str, configHome: str, stateDir: str, runtimeDir: str | None, claudeDir: str
+    ) -> None:
+        for name, value in (
+            ("home", home),
+            ("configHome", configHome),
+            ("stateDir", stateDir),
+            ("runtimeDir", runtimeDir),
+            ("claudeDir", claudeDir),
+        ):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Paths is immutable; cannot set {name}")
+
+    def _key(self) -> tuple[str | None, ...]:
+        return (self.home, self.configHome, self.stateDir, self.runtimeDir, self.claudeDir)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Paths) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "Paths(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 
     @classmethod
     def fromEnvironment(cls, environ: Mapping[str, str] | None = None) -> Paths:
@@ -82,3 +116,21 @@ class Paths:
         if path.startswith("~/"):
             return os.path.join(self.home, path[2:])
         return path
+
+
+def locateConfig(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The config file that applies, or None for the built-in defaults.
+
+    ``--config`` > ``$AGENTSANDBOX_CONFIG`` > the user's file > the system file.
+    """
+    env = os.environ if environ is None else environ
+    if explicit:
+        return explicit
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV]
+    user = Paths.fromEnvironment(env).userConfig
+    if os.path.exists(user):
+        return user
+    if os.path.exists(SYSTEM_CONFIG):
+        return SYSTEM_CONFIG
+    return None

@@ -5,21 +5,25 @@ project and plan files, git's config, the spool).  ``readable`` and ``writable``
 are the decisions the PreToolUse hook and the broker make; the Claude Code
 drop-in and the srt settings render the same lists for bubblewrap.
 
-Stdlib only: the hook builds a Policy on every file-tool call.
+Stdlib only, and no ``dataclasses`` or ``typing`` at run time: the hook decides
+on every file-tool call within a few milliseconds of Python's own start-up, so
+``Policy`` is a small slotted immutable class, and the hook builds it from a
+cache (``cachedPolicy``) that is valid only while the config file is unchanged.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from agentsandbox.paths import APP, Paths
+from agentsandbox.paths import APP, Paths, locateConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
     from agentsandbox.config import Config
 
 ENV_MARKER = "AGENTSANDBOX"
@@ -85,9 +89,31 @@ def _withTargets(paths: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-@dataclass(frozen=True)
+_FIELDS = (
+    "home",
+    "runtime",
+    "read",
+    "write",
+    "deny",
+    "harness",
+    "toolWrite",
+    "domains",
+    "proxyPort",
+    "spool",
+    "egress",
+    "exe",
+    "configFile",
+)
+
+
 class Policy:
-    """The lists, absolute and clean.  Build it with ``fromConfig``."""
+    """The lists, absolute and clean (immutable).  Build it with ``fromConfig``.
+
+    ``environ`` is the environment decisions read (``$TMPDIR``); it is not part
+    of the value.
+    """
+
+    __slots__ = (*_FIELDS, "environ")
 
     home: str
     runtime: str | None
@@ -102,7 +128,50 @@ class Policy:
     egress: str | None
     exe: str
     configFile: str | None
-    environ: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    environ: Mapping[str, str]
+
+    def __init__(
+        self,
+        *,
+        home: str,
+        runtime: str | None,
+        read: tuple[str, ...],
+        write: tuple[str, ...],
+        deny: tuple[str, ...],
+        harness: str,
+        toolWrite: tuple[str, ...],
+        domains: tuple[str, ...],
+        proxyPort: int,
+        spool: str,
+        egress: str | None,
+        exe: str,
+        configFile: str | None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        values = locals()
+        for name in _FIELDS:
+            value = values[name]
+            object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
+        object.__setattr__(self, "environ", {} if environ is None else environ)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Policy is immutable; cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and self.toDict() == other.toDict()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.toDict(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        return f"Policy({self.toDict()!r})"
+
+    def toDict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def fromDict(cls, data: Mapping[str, object], environ: Mapping[str, str]) -> Policy:
+        return cls(**{name: data[name] for name in _FIELDS}, environ=environ)  # type: ignore[arg-type]
 
     @classmethod
     def fromConfig(
@@ -293,3 +362,87 @@ def executable() -> str:
 
     found = shutil.which(APP)
     return os.path.abspath(found) if found else beside
+
+
+# --------------------------------------------------------------------------- the hook's cache
+
+_CACHE_NAME = "policy-cache.json"
+
+
+class PolicyUnavailable(Exception):
+    """No policy can be built: the config cannot be loaded.  The text says why."""
+
+_CACHE_ENV = (
+    "HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+    "CLAUDE_CONFIG_DIR",
+    "AGENTSANDBOX_EXE",
+)
+
+
+def _cacheKey(environ: Mapping[str, str]) -> list[object]:
+    from agentsandbox import __version__
+
+    source = locateConfig(None, environ)
+    fileKey: list[object] | None = None
+    if source is not None:
+        st = os.stat(source)
+        fileKey = [source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return [__version__, fileKey, [environ.get(n) for n in _CACHE_ENV]]
+
+
+def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
+    """The policy and its config's source, parsing the config only when it changed.
+
+    The hook runs on every file-tool call; parsing and validating TOML costs
+    more than its whole budget.  The cache sits in the state dir, which sessions
+    cannot write; it is ignored when the policy it holds would let a session
+    write it, or when it is not a private file of this user.  Raises
+    ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
+    cannot be loaded.
+    """
+    path = os.path.join(Paths.fromEnvironment(environ).stateDir, _CACHE_NAME)
+    try:
+        key = _cacheKey(environ)
+    except OSError:
+        key = None
+    if key is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+                    data = json.loads(f.read())
+                    if data.get("key") == key:
+                        policy = Policy.fromDict(data["policy"], environ)
+                        if not policy.writable(path, "/"):
+                            return policy, str(data["source"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    from agentsandbox.config import ConfigError, load
+
+    try:
+        config = load(None, environ)
+    except ConfigError as e:
+        raise PolicyUnavailable(str(e)) from None
+    policy = Policy.fromConfig(config, environ)
+    if key is not None and not policy.writable(path, "/"):
+        _writeCache(path, {"key": key, "source": config.source, "policy": policy.toDict()})
+    return policy, config.source
+
+
+def _writeCache(path: str, data: dict[str, object]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
