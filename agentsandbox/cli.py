@@ -20,6 +20,15 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "install": ("agentsandbox.claude", "installMain", "install the Claude Code drop-in"),
     "check": ("agentsandbox.commands", "checkMain", "explain a decision: read|write PATH, host HOST[:PORT]"),
     "hook": ("agentsandbox.hook", "main", "Claude Code hooks: pretooluse | sessionstart"),
+    "broker": ("agentsandbox.broker.server", "main", "run only the host broker, in the foreground"),
+    "ask": ("agentsandbox.broker.commands", "askMain", "ask the host broker: ping | status"),
+    "gpg": ("agentsandbox.broker.commands", "gpgMain", "git's gpg.program: sign through the broker"),
+    "ssh-sign": ("agentsandbox.broker.commands", "sshSignMain", "git's gpg.ssh.program: ssh-sign through the broker"),
+    "host": ("agentsandbox.broker.commands", "hostMain", "run a named host command: NAME [ARGS...]"),
+    "cap": ("agentsandbox.broker.commands", "capMain", "run CMD in a capped scope: [--memory SIZE] [--cpu PCT] -- CMD"),
+    "kubeconfig": ("agentsandbox.broker.commands", "kubeconfigMain", "write a kubeconfig for CONTEXT, print its path"),
+    "log": ("agentsandbox.audit", "logMain", "show egress decisions: [--denied] [--since 2h] [--json]"),
+    "suggest": ("agentsandbox.audit", "suggestMain", "print sandbox.domains entries for recent refusals"),
 }
 
 

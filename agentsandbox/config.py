@@ -162,6 +162,8 @@ class RunCommand:
     timeout: float = 600.0
     stream: bool = True
     env: tuple[str, ...] = ()
+    #: Variables taken from the requester's own environment (it is untrusted input).
+    caller_env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -387,6 +389,12 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENV_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]]+$")
 _HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+#: Variables a host command never takes from the sandbox: they choose what runs or loads.
+_CALLER_ENV_REFUSED = frozenset(
+    {"PATH", "IFS", "ENV", "BASH_ENV", "PYTHONPATH", "PYTHONSTARTUP", "PERL5LIB", "PERL5OPT",
+     "RUBYOPT", "NODE_OPTIONS", "GIT_SSH_COMMAND", "GIT_EXEC_PATH", "GIT_CONFIG_GLOBAL",
+     "HOME", "XDG_CONFIG_HOME", "KUBECONFIG", "SHELLOPTS"}
+)
 
 
 def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
@@ -579,6 +587,15 @@ def _parseBroker(t: _Table, paths: Paths) -> BrokerConfig:
         for i, n in enumerate(envNames):
             if not _ENV_NAME.match(n):
                 raise c.error(f"env[{i}]", f"{n!r} is not a variable name")
+        callerEnv = c.strings("caller_env", ())
+        for i, n in enumerate(callerEnv):
+            if not _ENV_NAME.match(n):
+                raise c.error(f"caller_env[{i}]", f"{n!r} is not a variable name")
+            if n in _CALLER_ENV_REFUSED or n.startswith(("LD_", "DYLD_")):
+                raise c.error(
+                    f"caller_env[{i}]",
+                    f"{n} from the sandbox would steer the host program (take it from the host with env)",
+                )
         commands.append(
             RunCommand(
                 name=name,
@@ -587,6 +604,7 @@ def _parseBroker(t: _Table, paths: Paths) -> BrokerConfig:
                 timeout=_positive(c, "timeout", float, 600.0),
                 stream=c.get("stream", bool, True),
                 env=envNames,
+                caller_env=callerEnv,
             )
         )
         c.finish()
