@@ -18,7 +18,10 @@ import re
 import shlex
 import sys
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+
+# Importing typing costs the hook more than its decision; mypy reads this name
+# as true all the same.
+TYPE_CHECKING = False
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -57,9 +60,10 @@ def deny(reason: str) -> str:
 def globRoot(pattern: str, base: str) -> str:
     """The highest directory a Glob ``pattern`` searched from ``base`` can reach.
 
-    The literal components before the first wildcard are the root; a ``..``
-    after a wildcard can still climb, one level each (``*/../..``), so the
-    root is raised once per such ``..``.
+    The literal components before the first wildcard are the root.  After it a
+    ``..`` can still climb (``*/../..``): each wildcard descends at least one
+    level (``**`` at least none) and each ``..`` climbs one, so the root is
+    raised to the lowest depth the pattern can reach.
     """
     parts = pattern.split("/")
     literal: list[str] = []
@@ -74,9 +78,15 @@ def globRoot(pattern: str, base: str) -> str:
     else:
         root = os.path.join(base, *[p for p in literal if p])
     root = os.path.normpath(root)
+    depth = lowest = 0
     for part in rest:
         if part == "..":
-            root = os.path.dirname(root)
+            depth -= 1
+        elif part not in ("", ".", "**"):
+            depth += 1
+        lowest = min(lowest, depth)
+    for _ in range(-lowest):
+        root = os.path.dirname(root)
     return root
 
 
@@ -138,6 +148,14 @@ def decide(event: Any, environ: Mapping[str, str]) -> str | None:
             return _refuse(policy, source, path, shown, cwd, "write")
         if mode == "read" and policy.whyReadable(path, cwd) is None:
             return _refuse(policy, source, path, shown, cwd, "read")
+        if tool in ("Grep", "Glob"):
+            closed = policy.closedBelow(path, cwd)
+            if closed is not None:
+                return (
+                    f"agentsandbox refused to search {shown}: the search would descend into "
+                    f"{closed}, which sessions may not read. Search a directory inside the "
+                    f"paths in sandbox.read or sandbox.write instead."
+                )
     return None
 
 

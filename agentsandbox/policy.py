@@ -17,9 +17,12 @@ import fnmatch
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from agentsandbox.paths import APP, Paths, locateConfig
+
+# Importing typing costs the hook more than its decision; mypy reads this name
+# as true all the same.
+TYPE_CHECKING = False
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -292,6 +295,20 @@ class Policy:
             if under(p, self._resolve(r, "/")):
                 return f"sandbox.read {r}"
         return self.whyWritable(path, cwd)
+
+    def closedBelow(self, path: str, cwd: str) -> str | None:
+        """A closed or denied directory strictly inside ``path``, if any.
+
+        A recursive search (Grep, Glob) from an ancestor of home would read what
+        the closed directory holds, though the root itself is readable.  A closed
+        directory that the lists re-allow whole (the root is a listed path, or
+        inside one) does not count.
+        """
+        p = self._resolve(path, cwd)
+        for d in (*self.closed(), *(self._resolve(x, "/") for x in self.deny)):
+            if d != p and under(d, p):
+                return d
+        return None
 
     def deniedBy(self, path: str, cwd: str) -> str | None:
         """The ``sandbox.deny`` entry that closes ``path``, if one does."""

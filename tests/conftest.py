@@ -1,0 +1,85 @@
+"""Shared fixtures: a whole user (home, runtime dir, temp dir) in a temp directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentsandbox.config import Config, loads
+from agentsandbox.paths import Paths
+from agentsandbox.policy import Policy
+
+REPO = Path(__file__).resolve().parent.parent
+
+DEFAULT_TOML = """\
+[sandbox]
+read = ["~/projects"]
+write = ["~/go/pkg/mod"]
+domains = ["muster.example.com", "127.0.0.1:6443"]
+
+[proxy]
+port = 3190
+"""
+
+
+@dataclass
+class User:
+    """A fixture user: ``env`` is the environment the hook and the config see."""
+
+    base: Path
+    home: Path
+    runtime: Path
+    tmp: Path
+    env: dict[str, str]
+
+    @property
+    def configFile(self) -> Path:
+        return self.home / ".config" / "agentsandbox" / "config.toml"
+
+    def writeConfig(self, text: str) -> Path:
+        self.configFile.parent.mkdir(parents=True, exist_ok=True)
+        self.configFile.write_text(text)
+        return self.configFile
+
+    def config(self, text: str | None = None) -> Config:
+        raw = (DEFAULT_TOML if text is None else text).encode()
+        return loads(raw, str(self.configFile), Paths.fromEnvironment(self.env))
+
+    def policy(self, text: str | None = None, exe: str = "/usr/bin/agentsandbox") -> Policy:
+        return Policy.fromConfig(self.config(text), self.env, exe=exe)
+
+    def h(self, rel: str) -> str:
+        return str(self.home / rel)
+
+
+@pytest.fixture
+def user(tmp_path: Path) -> User:
+    base = tmp_path.resolve()
+    home = base / "home"
+    for d in (
+        "projects/repo",
+        "projects/other",
+        ".kube",
+        ".ssh",
+        ".claude/projects/p/memory",
+        ".local/state/agentsandbox/spool",
+        "go/pkg/mod",
+    ):
+        (home / d).mkdir(parents=True, exist_ok=True)
+    (home / "projects/repo/go.mod").write_text("module x\n")
+    (home / ".kube/config").write_text("kube secret\n")
+    (home / ".ssh/id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY----- canary\n")
+    runtime = base / "run" / "user" / "1000"
+    runtime.mkdir(parents=True)
+    tmp = base / "tmp"
+    tmp.mkdir()
+    env = {
+        "HOME": str(home),
+        "TMPDIR": str(tmp),
+        "XDG_RUNTIME_DIR": str(runtime),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    }
+    return User(base=base, home=home, runtime=runtime, tmp=tmp, env=env)

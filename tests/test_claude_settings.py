@@ -1,0 +1,196 @@
+"""The Claude Code drop-in (DESIGN §4.2) and the srt settings rendered from one policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from agentsandbox import claude, srt
+from tests.conftest import User
+
+
+def test_settings_shape(user: User) -> None:
+    s = claude.render(user.policy())
+    assert s["env"] == {"AGENTSANDBOX": "1"}
+    sb = s["sandbox"]
+    assert sb["enabled"] and sb["failIfUnavailable"] and sb["autoAllowBashIfSandboxed"]
+    assert sb["allowUnsandboxedCommands"] is False
+    fs = sb["filesystem"]
+    assert fs["denyRead"] == ["~/", "//run/user"]
+    assert fs["denyWrite"] == ["~/.claude"]
+    assert fs["allowManagedReadPathsOnly"] is True
+    for entry in ("~/projects", "~/.config/agentsandbox", "~/.claude/projects", "~/.gitconfig"):
+        assert entry in fs["allowRead"], entry
+    for entry in ("~/.kube", "~/.claude", "~/.config/gh", "~/.ssh", "~/"):
+        assert entry not in fs["allowRead"], entry
+    assert "//usr/bin" not in fs["allowRead"], "paths outside closed dirs need no re-allowing"
+    assert fs["allowWrite"] == ["~/.local/state/agentsandbox/spool", "~/go/pkg/mod"]
+    net = sb["network"]
+    assert net["allowManagedDomainsOnly"] and net["strictAllowlist"]
+    assert net["httpProxyPort"] == net["socksProxyPort"] == 3190
+    assert net["allowedDomains"] == ["muster.example.com", "127.0.0.1:6443"]
+    assert "allowAllUnixSockets" not in net
+    (pre,) = s["hooks"]["PreToolUse"]
+    assert pre["matcher"] == "Read|Grep|Glob|Edit|MultiEdit|Write|NotebookEdit"
+    (hook,) = pre["hooks"]
+    assert hook == {
+        "type": "command",
+        "command": "/usr/bin/agentsandbox",
+        "args": ["hook", "pretooluse"],
+        "timeout": 10,
+        "onFailure": "block",
+    }
+    (start,) = s["hooks"]["SessionStart"]
+    assert start["hooks"][0]["args"] == ["hook", "sessionstart"]
+    assert "credentials" not in json.dumps(s["sandbox"])
+    assert "tlsTerminate" not in json.dumps(s)
+
+
+def test_drop_in_is_user_independent(user: User) -> None:
+    text = claude.dumps(claude.render(user.policy()))
+    assert str(user.home) not in text
+    assert str(user.runtime) not in text
+    assert "1000" not in text
+
+
+def test_the_egress_dir_is_re_allowed_for_every_user(user: User, tmp_path: Path) -> None:
+    env = dict(user.env, XDG_RUNTIME_DIR="/run/user/1000")
+    from agentsandbox.config import loads
+    from agentsandbox.paths import Paths
+    from agentsandbox.policy import Policy
+
+    config = loads(b"", "/etc/agentsandbox/config.toml", Paths.fromEnvironment(env))
+    s = claude.render(Policy.fromConfig(config, env, exe="/usr/bin/agentsandbox"))
+    assert "//run/user/*/agentsandbox/egress" in s["sandbox"]["filesystem"]["allowRead"]
+    assert "//run/user" in s["sandbox"]["filesystem"]["denyRead"]
+
+
+def test_permission_rules_deny_the_deny_list_and_credentials(user: User) -> None:
+    s = claude.render(user.policy('[sandbox]\nwrite = ["~/work"]\ndeny = ["~/work/scan", "/srv/vault"]\n'))
+    deny = s["permissions"]["deny"]
+    for rule in (
+        "Read(~/work/scan)",
+        "Read(~/work/scan/**)",
+        "Edit(~/work/scan/**)",
+        "Read(//srv/vault/**)",
+        "Read(~/.ssh/**)",
+        "Edit(~/.ssh/**)",
+        "Read(~/.gnupg/**)",
+        "Read(~/.aws/**)",
+        "Read(~/.config/gh/**)",
+        "Read(~/.kube/**)",
+        "Read(~/.docker/config.json)",
+        "Read(~/.netrc)",
+    ):
+        assert rule in deny, rule
+    assert all(r.startswith(("Read(~/", "Edit(~/", "Read(//", "Edit(//")) for r in deny)
+    assert s["sandbox"]["filesystem"]["denyRead"] == ["~/", "//run/user", "//srv/vault", "~/work/scan"]
+    assert "~/work/scan" in s["sandbox"]["filesystem"]["denyWrite"]
+
+
+def test_an_explicitly_allowed_credential_dir_gets_no_rule(user: User) -> None:
+    deny = claude.render(user.policy('[sandbox]\nread = ["~/.kube"]\n'))["permissions"]["deny"]
+    assert not any(".kube" in r for r in deny)
+    assert "Read(~/.ssh/**)" in deny
+
+
+def test_output_is_byte_stable(user: User) -> None:
+    a = claude.dumps(claude.render(user.policy()))
+    b = claude.dumps(claude.render(user.policy()))
+    assert a == b and a.endswith("}\n")
+    assert json.loads(a) == claude.render(user.policy())
+    keys = list(json.loads(a))
+    assert keys == sorted(keys)
+
+
+def test_install_writes_atomically_and_says_current(user: User, tmp_path: Path) -> None:
+    managed = tmp_path / "claude-code"
+    policy = user.policy()
+    first = claude.install(policy, str(managed))
+    assert first.changed and not first.steps
+    drop = managed / "managed-settings.d" / "50-agentsandbox.json"
+    assert drop.read_text() == claude.dumps(claude.render(policy))
+    assert stat.S_IMODE(drop.stat().st_mode) == 0o644
+    assert (managed / "managed-settings.json").read_text() == "{}\n"
+    assert claude.drift(policy, str(managed)) is None
+    again = claude.install(policy, str(managed))
+    assert not again.changed
+    assert not [p for p in os.listdir(managed / "managed-settings.d") if p.startswith(".")]
+    other = user.policy('[sandbox]\ndomains = ["other.example.com"]\n')
+    assert "differs" in (claude.drift(other, str(managed)) or "")
+    assert claude.install(other, str(managed)).changed
+
+
+def test_install_keeps_an_existing_base_file(user: User, tmp_path: Path) -> None:
+    managed = tmp_path / "claude-code"
+    managed.mkdir()
+    (managed / "managed-settings.json").write_text('{"x": 1}\n')
+    claude.install(user.policy(), str(managed))
+    assert (managed / "managed-settings.json").read_text() == '{"x": 1}\n'
+
+
+def test_install_without_permission_prints_exact_root_lines(
+    user: User, request: pytest.FixtureRequest
+) -> None:
+    """The root lines are exact and shell-quoted; as root the install runs as nobody."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from tests.conftest import REPO
+
+    top = Path(tempfile.mkdtemp(prefix="agentsandbox-install-"))
+    request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
+    top.chmod(0o755)
+    managed = top / "has space" / "claude-code"
+    managed.parent.mkdir()
+    stage = top / "stage"
+    stage.mkdir()
+    asRoot = os.getuid() == 0
+    if asRoot:
+        os.chown(stage, 65534, 65534)
+    else:
+        managed.parent.chmod(0o555)
+    code = (
+        "import json,sys; from agentsandbox import claude; from agentsandbox.policy import Policy;"
+        "p = Policy.fromDict(json.loads(sys.argv[1]), {});"
+        "r = claude.install(p, sys.argv[2], stage=sys.argv[3]);"
+        "print(json.dumps([r.changed, list(r.steps)]))"
+    )
+    out = subprocess.run(
+        ["/usr/bin/python3", "-c", code, json.dumps(user.policy().toDict()), str(managed), str(stage)],
+        capture_output=True,
+        text=True,
+        user=65534 if asRoot else None,
+        env={"PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
+        check=True,
+    )
+    changed, steps = json.loads(out.stdout)
+    m = str(managed)
+    assert changed
+    assert steps == [
+        f"sudo install -d -m 0755 '{m}'",
+        f"sudo install -m 0644 -o root {stage}/managed-settings.json '{m}/managed-settings.json'",
+        f"sudo install -d -m 0755 '{m}/managed-settings.d'",
+        f"sudo install -m 0644 -o root {stage}/50-agentsandbox.json '{m}/managed-settings.d/50-agentsandbox.json'",
+    ]
+    assert json.loads((stage / "50-agentsandbox.json").read_text())["sandbox"]["enabled"]
+    assert not managed.exists()
+
+
+def test_srt_settings_hold_the_same_lists(user: User) -> None:
+    policy = user.policy('[sandbox]\nread = ["~/projects"]\nwrite = ["~/work"]\ndeny = ["~/work/scan"]\n')
+    s = srt.render(policy)
+    fs = s["filesystem"]
+    assert fs["denyRead"] == [str(user.home), str(user.runtime), user.h("work/scan")]
+    assert user.h("projects") in fs["allowRead"]
+    assert fs["allowWrite"] == [user.h(".local/state/agentsandbox/spool"), user.h("work")]
+    assert fs["denyWrite"] == [user.h("work/scan"), user.h(".claude")]
+    net = s["network"]
+    assert net["httpProxyPort"] == net["socksProxyPort"] == 3190
+    for required in ("allowedDomains", "deniedDomains"):
+        assert isinstance(net[required], list)

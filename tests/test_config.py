@@ -1,0 +1,167 @@
+"""The config loader: lookup order, defaults, and every bad input with its exact error."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agentsandbox.config import (
+    BUILTIN,
+    DEFAULT_DOMAINS,
+    ConfigError,
+    githubRules,
+    load,
+    loads,
+)
+from agentsandbox.paths import Paths
+from tests.conftest import User
+
+
+def test_builtin_defaults(user: User) -> None:
+    c = load(None, user.env)
+    assert c.source == BUILTIN
+    assert c.sandbox.domains == DEFAULT_DOMAINS
+    assert c.proxy.port == 3190
+    assert c.proxy.endpoint == "tcp:3190:interface=127.0.0.1"
+    assert c.broker.spool == user.h(".local/state/agentsandbox/spool")
+    assert c.inject == githubRules()
+    assert c.injectFor("github.com") is not None
+    assert c.injectFor("codeload.github.com") is None
+
+
+def test_lookup_order(user: User, tmp_path: Path) -> None:
+    userFile = user.writeConfig('[sandbox]\ndomains = ["user.example.com"]\n')
+    envFile = tmp_path / "env.toml"
+    envFile.write_text('[sandbox]\ndomains = ["env.example.com"]\n')
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text('[sandbox]\ndomains = ["explicit.example.com"]\n')
+    assert load(None, user.env).source == str(userFile)
+    env = dict(user.env, AGENTSANDBOX_CONFIG=str(envFile))
+    assert load(None, env).sandbox.domains == ("env.example.com",)
+    assert load(str(explicit), env).sandbox.domains == ("explicit.example.com",)
+
+
+def test_tilde_paths_expand_and_values_are_frozen(user: User) -> None:
+    c = user.config('[sandbox]\nread = ["~/a", "/srv/b"]\nwrite = ["~/c/"]\n')
+    assert c.sandbox.read == (user.h("a"), "/srv/b")
+    assert c.sandbox.write == (user.h("c"),)
+    with pytest.raises(AttributeError):
+        c.sandbox.read = ()  # type: ignore[misc]
+
+
+def test_inject_rules_and_render(user: User) -> None:
+    c = user.config(
+        """
+[[inject]]
+hosts = ["models.example.com"]
+header = "x-api-key"
+format = "{token}"
+token_env = "MODEL_KEY"
+
+[[inject]]
+hosts = ["registry.example.org"]
+format = "Basic {basic}"
+basic_user = "ci"
+token_file = "~/.secrets/registry"
+renew = 60
+"""
+    )
+    model, registry = c.inject
+    assert model.header == "x-api-key" and model.token.env == "MODEL_KEY"
+    assert model.render("T") == "T"
+    assert registry.token.file == user.h(".secrets/registry")
+    assert registry.token.renew == 60.0
+    assert registry.render("T") == "Basic Y2k6VA=="
+    github = githubRules()
+    assert github[0].render("T") == "Basic eC1hY2Nlc3MtdG9rZW46VA=="
+    assert github[1].render("T") == "token T"
+    assert user.config("inject = []\n").inject == ()
+
+
+def test_run_commands(user: User) -> None:
+    c = user.config(
+        """
+[broker.run.cluster-up]
+argv = ["/usr/bin/kind", "create", "cluster"]
+args = ["^--name=[a-z]+$"]
+timeout = 120
+stream = false
+env = ["KUBECONFIG"]
+"""
+    )
+    cmd = c.broker.command("cluster-up")
+    assert cmd is not None
+    assert cmd.argv == ("/usr/bin/kind", "create", "cluster")
+    assert cmd.timeout == 120.0 and not cmd.stream and cmd.env == ("KUBECONFIG",)
+
+
+BAD = [
+    ("[sandbox]\nreed = []\n", "sandbox.reed: unknown key (a typo here must not weaken the policy)"),
+    ("bogus = 1\n", "bogus: unknown key (a typo here must not weaken the policy)"),
+    ("[sandbox]\nread = \"~/x\"\n", "sandbox.read: must be a list of strings, not a string"),
+    ("[sandbox]\nread = [1]\n", "sandbox.read[0]: must be a string, not an integer"),
+    ("[sandbox]\nwrite = [\"relative/dir\"]\n", "sandbox.write[0]: 'relative/dir' is not absolute (write it as ~/… or /…)"),
+    ("[sandbox]\ndomains = [\"*\"]\n", "sandbox.domains[0]: '*' would allow every host; list the hosts instead"),
+    ("[sandbox]\ndomains = [\"\"]\n", "sandbox.domains[0]: an empty entry allows nothing; remove it"),
+    ("[sandbox]\ndomains = [\"localhost\"]\n", "sandbox.domains[0]: 'localhost' would open every loopback port; loopback is reachable only through an explicit IP:port entry such as 127.0.0.1:6443"),
+    ("[sandbox]\ndomains = [\"127.0.0.1\"]\n", "sandbox.domains[0]: '127.0.0.1' would open every loopback port; loopback is reachable only through an explicit IP:port entry such as 127.0.0.1:6443"),
+    ("[sandbox]\ndomains = [\"::1\"]\n", "sandbox.domains[0]: '::1' would open every loopback port; loopback is reachable only through an explicit IP:port entry such as 127.0.0.1:6443"),
+    ("[sandbox]\ndomains = [\"*.localhost\"]\n", "sandbox.domains[0]: '*.localhost' would open every loopback port; loopback is reachable only through an explicit IP:port entry such as 127.0.0.1:6443"),
+    ("[sandbox]\ndomains = [\"127.0.0.0/8:80\"]\n", "sandbox.domains[0]: '127.0.0.0/8:80': loopback is reachable only through an explicit IP:port entry"),
+    ("[sandbox]\ndomains = [\"127.0.0.1:3190\"]\n", "sandbox.domains[0]: '127.0.0.1:3190' is the egress proxy itself (proxy.port = 3190)"),
+    ("[sandbox]\ndomains = [\"localhost:4000\"]\n[proxy]\nport = 4000\n", "sandbox.domains[0]: 'localhost:4000' is the egress proxy itself (proxy.port = 4000)"),
+    ("[sandbox]\ndomains = [\"a.*.example.com\"]\n", "sandbox.domains[0]: 'a.*.example.com': a wildcard is allowed only as a leading '*.'"),
+    ("[sandbox]\ndomains = [\"example.com:99999\"]\n", "sandbox.domains[0]: 'example.com:99999': port '99999' is not a number from 1 to 65535"),
+    ("[sandbox]\ndomains = [\"exa mple.com\"]\n", "sandbox.domains[0]: 'exa mple.com' is not a valid host name"),
+    ("[proxy]\nport = \"3190\"\n", "proxy.port: must be an integer, not a string"),
+    ("[proxy]\nport = 70000\n", "proxy.port: 70000 is not a port from 1 to 65535"),
+    ("[proxy]\nport = true\n", "proxy.port: must be an integer, not a boolean"),
+    ("[proxy]\nmax_tunnels = 0\n", "proxy.max_tunnels: must be greater than zero"),
+    ("[proxy]\nparent = \"socks5://x:1\"\n", "proxy.parent: 'socks5://x:1' must be http://HOST:PORT (an HTTP CONNECT proxy)"),
+    ("sandbox = 3\n", "sandbox: must be a table, not an integer"),
+    ("[[inject]]\nhosts = []\ntoken_env = \"T\"\n", "inject[0].hosts: list at least one host"),
+    ("[[inject]]\nhosts = [\"*.example.com\"]\ntoken_env = \"T\"\n", "inject[0].hosts[0]: '*.example.com' must be a plain host name (no port, wildcard or IP)"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\n", "inject[0].token_command: give exactly one of token_command, token_file and token_env"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\ntoken_file = \"/t\"\n", "inject[0].token_command: give exactly one of token_command, token_file and token_env (found token_file, token_env)"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\nformat = \"Bearer\"\n", "inject[0].format: must contain {token} or {basic}"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\nformat = \"Basic {basic}\"\n", "inject[0].basic_user: {basic} in format needs basic_user"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\nheader = \"Bad Header\"\n", "inject[0].header: 'Bad Header' is not an HTTP header name"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\n[[inject]]\nhosts = [\"A.example.com\"]\ntoken_env = \"U\"\n", "inject[1].hosts[0]: a.example.com already has a rule (inject[0])"),
+    ("[[inject]]\nhosts = [\"a.example.com\"]\ntoken_env = \"T\"\nextra = 1\n", "inject[0].extra: unknown key (a typo here must not weaken the policy)"),
+    ("[broker.run.up]\nargv = [\"kind\"]\n", "broker.run.up.argv[0]: 'kind' must be an absolute path to the program"),
+    ("[broker.run.Up]\nargv = [\"/bin/true\"]\n", "broker.run.Up: a command name is lower case letters, digits, '.', '_', '-'"),
+    ("[broker.run.up]\nargv = [\"/bin/true\"]\nargs = [\"(\"]\n", "broker.run.up.args[0]: not a regular expression: missing ), unterminated subpattern at position 0"),
+    ("[scope]\nmemory_max = \"lots\"\n", "scope.memory_max: 'lots' is not a size (bytes, or a number with K, M, G or T, or infinity)"),
+    ("[scope]\nslice = \"../x.slice\"\n", "scope.slice: '../x.slice' is not a systemd slice name (NAME.slice)"),
+    ("[scope]\ncpu_quota = \"2 cores\"\n", "scope.cpu_quota: '2 cores' is not a percentage such as 200%"),
+    ("[sandbox]\nread = [\"~/p\"]\nwrite = [\"~/p/r\"]\n", "sandbox.write: the writable path {home}/p/r lies inside the readable path {home}/p"),
+]
+
+
+@pytest.mark.parametrize(("text", "error"), BAD)
+def test_bad_config_names_file_key_and_why(user: User, text: str, error: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        loads(text.encode(), "/etc/agentsandbox/test.toml", Paths.fromEnvironment(user.env))
+    assert str(e.value).startswith("/etc/agentsandbox/test.toml: " + error.replace("{home}", str(user.home)))
+
+
+def test_not_toml_and_not_utf8(user: User) -> None:
+    paths = Paths.fromEnvironment(user.env)
+    with pytest.raises(ConfigError, match=r"^f.toml: not valid TOML: "):
+        loads(b"[sandbox\n", "f.toml", paths)
+    with pytest.raises(ConfigError, match=r"^f.toml: not UTF-8 "):
+        loads(b"a = '\xff'\n", "f.toml", paths)
+
+
+def test_unreadable_config(user: User, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    with pytest.raises(ConfigError, match=r"missing.toml: cannot read the config: No such file"):
+        load(str(missing), user.env)
+    if os.getuid() != 0:
+        secret = tmp_path / "secret.toml"
+        secret.write_text("")
+        secret.chmod(0)
+        with pytest.raises(ConfigError, match="Permission denied"):
+            load(str(secret), user.env)
