@@ -1,0 +1,263 @@
+"""The decision log: one JSON line per egress decision, size-rotated, plus a journal line.
+
+Records carry only what a decision is made of: the event, the protocol, the
+client address, host, port, checked address, the reason, byte counts and
+duration.  Never a header, a request path, a body or a token: the proxy
+passes nothing else in, and ``record`` keeps only the fields named in
+``FIELDS`` so a later caller cannot widen it by accident.
+
+``agentsandbox log`` and ``agentsandbox suggest`` read the file back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.logger import Logger
+
+#: Event names.  ``tunnel``/``forward``: allowed, written at close.
+EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed")
+#: The only fields a record may hold.
+FIELDS = (
+    "kind",
+    "client",
+    "host",
+    "port",
+    "address",
+    "via",
+    "reason",
+    "allow",
+    "status",
+    "up",
+    "down",
+    "duration",
+)
+
+
+class AuditLog:
+    """Appends JSON lines to ``path``, rotating at ``maxBytes`` and keeping ``keep`` old files."""
+
+    log = Logger(namespace="agentsandbox.egress")
+
+    def __init__(
+        self,
+        path: str,
+        maxBytes: int = 10 * 1024 * 1024,
+        keep: int = 3,
+        wallClock: Callable[[], float] = time.time,
+        journal: bool = True,
+    ) -> None:
+        self.path = path
+        self.maxBytes = maxBytes
+        self.keep = keep
+        self._now = wallClock
+        self._journal = journal
+        self._file: Any = None
+        self._size = 0
+
+    @classmethod
+    def fromConfig(cls, config: Any, **kw: Any) -> AuditLog:
+        a = config.audit
+        return cls(a.file, a.max_bytes, a.keep, **kw)
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._size = os.fstat(fd).st_size
+
+    def _rotate(self) -> None:
+        self.close()
+        for i in range(self.keep, 0, -1):
+            older = f"{self.path}.{i}"
+            newer = self.path if i == 1 else f"{self.path}.{i - 1}"
+            if os.path.exists(newer):
+                os.replace(newer, older)
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one decision.  Unknown fields are dropped; returns the record written."""
+        if event not in EVENTS:
+            raise ValueError(f"unknown audit event {event!r}")
+        rec: dict[str, Any] = {"ts": round(self._now(), 3), "event": event}
+        for name in FIELDS:
+            value = fields.get(name)
+            if value is not None:
+                rec[name] = value if isinstance(value, int | float | bool) else str(value)
+        line = json.dumps(rec, ensure_ascii=True, separators=(",", ":")) + "\n"
+        try:
+            if self._file is None:
+                self._open()
+            if self._size and self._size + len(line) > self.maxBytes:
+                self._rotate()
+                self._open()
+            self._file.write(line)
+            self._file.flush()
+            self._size += len(line)
+        except OSError as e:
+            # The proxy must keep deciding even when the disk is full; the
+            # journal line below still carries the decision.
+            self.log.error("audit log {path} not written: {why}", path=self.path, why=e.strerror or str(e))
+            self.close()
+        if self._journal:
+            self.log.info("{line}", line=journalLine(rec))
+        return rec
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            finally:
+                self._file = None
+
+
+def journalLine(rec: dict[str, Any]) -> str:
+    """The short human line for one record (journal and ``agentsandbox log``)."""
+    ev = rec.get("event", "?")
+    target = f"{rec.get('host', '')}:{rec.get('port', '')}" if "host" in rec else ""
+    kind = rec.get("kind", "")
+    client = rec.get("client", "")
+    if ev in ("tunnel", "forward"):
+        extra = f" via {rec['address']}" if "address" in rec else ""
+        status = f" status {rec['status']}" if "status" in rec else ""
+        return (
+            f"egress: {kind} {target}{extra}{status} from {client}: "
+            f"{rec.get('up', 0)} bytes up, {rec.get('down', 0)} down, {rec.get('duration', 0)}s"
+        )
+    if ev == "refused":
+        return f"egress: refused {kind} {target} from {client}: {rec.get('reason', '')}"
+    if ev == "peer":
+        return f"egress: refused a connection from {client}: {rec.get('reason', '')}"
+    if ev == "parse":
+        return f"egress: bad {kind} request from {client}: {rec.get('reason', '')}"
+    return f"egress: {kind} {target} failed: {rec.get('reason', '')}"
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def readRecords(path: str, keep: int = 9) -> Iterator[dict[str, Any]]:
+    """Every record, oldest first, across the rotated files.  Bad lines are skipped."""
+    files = [f"{path}.{i}" for i in range(keep, 0, -1)] + [path]
+    for name in files:
+        try:
+            f = open(name, encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        with f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("ts"), int | float):
+                    yield rec
+
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parseDuration(text: str) -> float:
+    """``90``, ``30s``, ``10m``, ``2h``, ``7d``, ``1w`` -> seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a duration such as 30s, 10m, 2h or 7d")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _isoTime(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _auditPath(args: argparse.Namespace) -> str:
+    if args.file:
+        return str(args.file)
+    from agentsandbox.config import ConfigError, load
+
+    try:
+        return load(args.config).audit.file
+    except ConfigError as e:
+        raise SystemExit(f"agentsandbox: {e}") from None
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="the config file (default: the usual lookup)")
+    parser.add_argument("--file", help="read this audit file instead of the config's audit.file")
+
+
+def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
+    parser = argparse.ArgumentParser(prog="agentsandbox log", description="Show the egress decision log.")
+    _common(parser)
+    parser.add_argument("--denied", action="store_true", help="only refusals")
+    parser.add_argument("--since", help="only records newer than DURATION (30s, 10m, 2h, 7d)")
+    parser.add_argument("--json", action="store_true", help="print the JSON records")
+    args = parser.parse_args(argv)
+    try:
+        since = now() - parseDuration(args.since) if args.since else None
+    except ValueError as e:
+        parser.error(str(e))
+    for rec in readRecords(_auditPath(args)):
+        if since is not None and rec["ts"] < since:
+            continue
+        if args.denied and rec.get("event") not in ("refused", "peer", "parse"):
+            continue
+        if args.json:
+            print(json.dumps(rec, sort_keys=True))
+        else:
+            print(f"{_isoTime(rec['ts'])} {journalLine(rec)}")
+    return 0
+
+
+@dataclass
+class _Seen:
+    count: int
+    last: float
+    hosts: set[str]
+
+
+def suggestions(records: Iterator[dict[str, Any]], since: float | None) -> dict[str, _Seen]:
+    """allow-list entry -> how often and when it would have allowed a refusal."""
+    out: dict[str, _Seen] = {}
+    for rec in records:
+        if rec.get("event") != "refused" or not rec.get("allow"):
+            continue
+        if since is not None and rec["ts"] < since:
+            continue
+        entry = str(rec["allow"])
+        seen = out.setdefault(entry, _Seen(0, 0.0, set()))
+        seen.count += 1
+        seen.last = max(seen.last, float(rec["ts"]))
+        seen.hosts.add(str(rec.get("host", "")))
+    return out
+
+
+def suggestMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentsandbox suggest",
+        description="Print the sandbox.domains entries that would allow recently refused hosts.",
+    )
+    _common(parser)
+    parser.add_argument("--since", default="1d", help="look back this far (default 1d)")
+    args = parser.parse_args(argv)
+    try:
+        since = now() - parseDuration(args.since)
+    except ValueError as e:
+        parser.error(str(e))
+    found = suggestions(readRecords(_auditPath(args)), since)
+    if not found:
+        print(f"# no refusals in the last {args.since}", file=sys.stderr)
+        return 0
+    print("# add to [sandbox] domains = [...] in your config, then the proxy reloads by itself")
+    width = max(len(json.dumps(e)) for e in found) + 1
+    for entry, seen in sorted(found.items(), key=lambda kv: (-kv[1].count, kv[0])):
+        text = json.dumps(entry) + ","
+        print(f"  {text.ljust(width)}  # refused {seen.count}x, last {_isoTime(seen.last)}")
+    return 0

@@ -1,0 +1,174 @@
+"""Live config: a holder of the current config, and a service that reloads it.
+
+The proxy (and the injector) read ``holder.current`` when a new connection
+arrives, so a reload changes the allow list and limits for new connections
+while open tunnels keep what they were granted.  The watcher reloads on
+inotify events for the config file and on SIGHUP.  A broken file keeps the old
+config and logs the error with the file and the key (``ConfigError`` says
+both).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.filepath import FilePath
+
+from agentsandbox.config import Config, ConfigError
+
+Listener = Callable[[Config, Config], None]
+
+
+class ConfigHolder:
+    """The config in force now; ``swap`` replaces it and tells the listeners (old, new)."""
+
+    def __init__(self, config: Config) -> None:
+        self.current = config
+        self._listeners: list[Listener] = []
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def swap(self, config: Config) -> None:
+        old, self.current = self.current, config
+        for listener in list(self._listeners):
+            listener(old, config)
+
+
+def asHolder(config: Config | ConfigHolder) -> ConfigHolder:
+    return config if isinstance(config, ConfigHolder) else ConfigHolder(config)
+
+
+# inotify masks (linux/inotify.h); the watcher watches the directory because
+# editors and config managers replace the file by rename.
+_IN_CLOSE_WRITE = 0x00000008
+_IN_MOVED_TO = 0x00000080
+_IN_CREATE = 0x00000100
+_IN_DELETE = 0x00000200
+_IN_MOVED_FROM = 0x00000040
+_MASK = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE | _IN_MOVED_FROM
+
+
+class ConfigWatcher(Service):
+    """Reloads ``holder`` from ``path`` on inotify events and SIGHUP.
+
+    ``loader`` reads and validates the file (default ``config.load(path)``);
+    events are coalesced over ``settle`` seconds of the injected clock, so an
+    editor's write-then-rename reloads once.
+    """
+
+    log = Logger(namespace="agentsandbox.reload")
+
+    def __init__(
+        self,
+        holder: ConfigHolder,
+        path: str | None,
+        reactor: Any,
+        loader: Callable[[], Config] | None = None,
+        settle: float = 0.2,
+        handleSignal: bool = True,
+    ) -> None:
+        self.holder = holder
+        self.path = path
+        self.reactor = reactor
+        self.settle = settle
+        self.handleSignal = handleSignal
+        self._loader = loader or self._loadFile
+        self._pending: IDelayedCall | None = None
+        self._notifier: Any = None
+        self._oldHandler: Any = None
+        self.reloads = 0
+        self.failures = 0
+
+    def _loadFile(self) -> Config:
+        from agentsandbox.config import load
+
+        return load(self.path)
+
+    def startService(self) -> None:
+        super().startService()
+        if self.path is not None:
+            self._watch(self.path)
+        if self.handleSignal:
+            self._oldHandler = signal.signal(signal.SIGHUP, self._onSignal)
+
+    def stopService(self) -> None:
+        if self._pending is not None and self._pending.active():
+            self._pending.cancel()
+        self._pending = None
+        if self._notifier is not None:
+            self._notifier.loseConnection()
+            self._notifier = None
+        if self.handleSignal and self._oldHandler is not None:
+            signal.signal(signal.SIGHUP, self._oldHandler)
+            self._oldHandler = None
+        return super().stopService()  # type: ignore[no-any-return]
+
+    def _watch(self, path: str) -> None:
+        try:
+            from twisted.internet import inotify
+        except ImportError:
+            self.log.warn("no inotify here: the config reloads on SIGHUP only")
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            notifier = inotify.INotify(reactor=self.reactor)
+            notifier.startReading()
+            notifier.watch(FilePath(directory), mask=_MASK, callbacks=[self._onEvent])
+        except Exception as e:  # inotify limits, a missing directory: SIGHUP still works
+            self.log.warn(
+                "not watching {dir} ({why}): the config reloads on SIGHUP only",
+                dir=directory,
+                why=e,
+            )
+            return
+        self._notifier = notifier
+
+    def _onEvent(self, _ignored: object, filepath: FilePath[Any], mask: int) -> None:
+        if self.path is not None and os.path.basename(filepath.path) == os.path.basename(self.path):
+            self.schedule()
+
+    def _onSignal(self, signum: int, frame: FrameType | None) -> None:
+        self.reactor.callFromThread(self.reload, "SIGHUP")
+
+    def schedule(self) -> None:
+        """Reload after ``settle`` seconds, once however many events arrive meanwhile."""
+        if self._pending is not None and self._pending.active():
+            self._pending.reset(self.settle)
+            return
+        clock: IReactorTime = self.reactor
+        self._pending = clock.callLater(self.settle, self.reload, "change of the file")
+
+    def reload(self, why: str = "request") -> bool:
+        """Load the config now; keep the old one when the new one is broken."""
+        self._pending = None
+        try:
+            config = self._loader()
+        except ConfigError as e:
+            self.failures += 1
+            self.log.error(
+                "config reload after {why} failed, keeping the previous config: {error}",
+                why=why,
+                error=str(e),
+                file=e.source,
+                key=e.key,
+            )
+            return False
+        except Exception as e:  # a loader bug must not take the proxy down
+            self.failures += 1
+            self.log.failure("config reload after {why} failed, keeping the previous config", why=why)
+            del e
+            return False
+        self.reloads += 1
+        self.holder.swap(config)
+        self.log.info("config reloaded after {why} from {source}", why=why, source=config.source)
+        return True
+
+

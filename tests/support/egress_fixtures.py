@@ -1,0 +1,238 @@
+"""Parts for egress tests: an injected resolver, a dialer that maps documentation
+addresses to loopback listeners, a proxy on an ephemeral loopback port, and
+small servers.  The address rules stay real: the proxy classifies the
+documentation address (public), and only the last hop is bent to loopback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.interfaces import IHalfCloseableProtocol, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.utils import getProcessOutputAndValue
+from zope.interface import implementer
+
+from agentsandbox.audit import AuditLog
+from agentsandbox.config import Config, loads
+from agentsandbox.egress.interfaces import IResolver
+from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
+from agentsandbox.egress.resolve import ResolveError
+from agentsandbox.egress.rules import IPAddress
+from agentsandbox.paths import Paths
+
+reactor: Any = _reactor
+
+CURL = "/usr/bin/curl"
+GIT = "/usr/bin/git"
+
+
+def makeConfig(toml: str = "", home: str | None = None) -> Config:
+    home = home or tempfile.mkdtemp(prefix="egress-home-")
+    paths = Paths.fromEnvironment({"HOME": home})
+    return loads(toml.encode(), "<test config>", paths)
+
+
+def domainsToml(domains: Sequence[str], **proxy: Any) -> str:
+    lines = ["[sandbox]", "domains = [" + ", ".join(f'"{d}"' for d in domains) + "]"]
+    if proxy:
+        lines.append("[proxy]")
+        for k, v in proxy.items():
+            lines.append(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"')
+    lines.append("inject = []")
+    # `inject = []` must be top level: move it before any table.
+    body = [ln for ln in lines if ln != "inject = []"]
+    return "inject = []\n" + "\n".join(body) + "\n"
+
+
+@implementer(IResolver)
+class FixedResolver:
+    """Answers from a table; counts lookups so tests can show a name resolves once."""
+
+    def __init__(self, table: Mapping[str, Sequence[str]]) -> None:
+        self.table = {k: [ipaddress.ip_address(a) for a in v] for k, v in table.items()}
+        self.lookups: list[str] = []
+
+    def resolve(self, host: str, port: int) -> Deferred[Sequence[IPAddress]]:
+        self.lookups.append(host)
+        if host not in self.table or not self.table[host]:
+            return fail(ResolveError(host, "not in the test's table"))
+        return succeed(list(self.table[host]))
+
+
+class MappedDialer:
+    """Dials ``(address, port)`` pairs at loopback ports; records every dial."""
+
+    def __init__(self, reactor: Any, routes: Mapping[tuple[str, int], int] | None = None) -> None:
+        self.reactor = reactor
+        self.routes: dict[tuple[str, int], int] = dict(routes or {})
+        self.dialled: list[tuple[str, int]] = []
+
+    def route(self, address: str, port: int, localPort: int) -> None:
+        self.routes[(str(ipaddress.ip_address(address)), port)] = localPort
+
+    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
+        key = (str(ip), port)
+        self.dialled.append(key)
+        if key in self.routes:
+            return TCP4ClientEndpoint(self.reactor, "127.0.0.1", self.routes[key], timeout=5)
+        if ip.version == 4 and ip.is_loopback:
+            return TCP4ClientEndpoint(self.reactor, str(ip), port, timeout=5)
+        # Anything else would leave the machine: a closed loopback port stands in
+        # for an unreachable host (the dial fails with "connection refused").
+        return TCP4ClientEndpoint(self.reactor, "127.0.0.1", 1, timeout=5)
+
+
+class AllowAllPeers:
+    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
+        return None
+
+
+@implementer(IHalfCloseableProtocol)
+class Echo(Protocol):
+    """Echoes; at the client's EOF it finishes writing, then closes."""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def readConnectionLost(self) -> None:
+        self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def writeConnectionLost(self) -> None:
+        pass
+
+
+class Greeter(Protocol):
+    """Sends a banner then echoes (shows data flows upstream -> client first)."""
+
+    def connectionMade(self) -> None:
+        self.transport.write(b"hello\n")  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[union-attr]
+
+
+async def listen(factory: Factory, reactor: Any = reactor) -> Any:
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
+    return port
+
+
+class ProxyHarness:
+    """A running proxy on 127.0.0.1:ephemeral with injected parts; ``stop`` in cleanup."""
+
+    def __init__(
+        self,
+        domains: Sequence[str] = (),
+        resolver: FixedResolver | None = None,
+        dialer: Any = None,
+        peers: Any = None,
+        terminator: Any = None,
+        proxy: Mapping[str, Any] | None = None,
+        audit: bool = True,
+        config: Config | Any = None,
+        spliceFast: bool = True,
+    ) -> None:
+        self.home = tempfile.mkdtemp(prefix="egress-home-")
+        self.config = config or makeConfig(domainsToml(domains, **(proxy or {})), self.home)
+        self.resolver = resolver or FixedResolver({})
+        self.dialer = dialer or MappedDialer(reactor)
+        self.auditPath = os.path.join(self.home, "audit.jsonl")
+        self.audit = AuditLog(self.auditPath, journal=False) if audit else None
+        self.factory = EgressProxyFactory(
+            self.config,
+            reactor,
+            resolver=self.resolver,
+            dialer=self.dialer,
+            peers=peers or AllowAllPeers(),
+            terminator=terminator,
+            audit=self.audit,
+            spliceFast=spliceFast,
+        )
+        self.service = ProxyService(self.factory, "tcp:0:interface=127.0.0.1")
+        self.port = 0
+
+    async def start(self) -> ProxyHarness:
+        self.service.startService()
+        assert self.service.listening is not None
+        listening = await self.service.listening
+        self.port = listening.getHost().port
+        return self
+
+    async def stop(self) -> None:
+        await self.service.stopService()  # type: ignore[misc]
+        if self.audit is not None:
+            self.audit.close()
+
+    def records(self) -> list[dict[str, Any]]:
+        from agentsandbox.audit import readRecords
+
+        return list(readRecords(self.auditPath))
+
+
+async def curl(*args: str, env: Mapping[str, str] | None = None) -> tuple[bytes, bytes, int]:
+    environ = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tempfile.gettempdir()}
+    environ.update(env or {})
+    out, err, code = await getProcessOutputAndValue(
+        CURL, ("--silent", "--show-error", "--noproxy", "", "--max-time", "60", *args), env=environ
+    )
+    return out, err, code
+
+
+def sha256File(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def deferredTest(f: Any) -> Any:
+    """Run an ``async def`` test method under trial on Twisted 22.4 and current Twisted alike."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(self: Any, *a: Any, **kw: Any) -> Deferred[Any]:
+        return Deferred.fromCoroutine(f(self, *a, **kw))
+
+    return wrapper
+
+
+class Collector(Protocol):
+    """A client that collects what it receives and fires ``done`` at close."""
+
+    def __init__(self, send: bytes = b"", halfClose: bool = False) -> None:
+        self.send = send
+        self.halfClose = halfClose
+        self.received = bytearray()
+        self.done: Deferred[bytes] = Deferred()
+        self.reason: Any = None
+
+    def connectionMade(self) -> None:
+        if self.send:
+            self.transport.write(self.send)  # type: ignore[union-attr]
+        if self.halfClose:
+            self.transport.loseWriteConnection()  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.reason = reason
+        self.done.callback(bytes(self.received))
+
+
+async def exchange(port: int, send: bytes, halfClose: bool = True) -> bytes:
+    """Connect to the proxy, send bytes (then half-close), return everything received."""
+    from twisted.internet.endpoints import connectProtocol
+
+    c = Collector(send, halfClose)
+    await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), c)
+    return await c.done
