@@ -69,6 +69,9 @@ class Paths:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def __reduce__(self) -> tuple[type[Paths], tuple[str | None, ...]]:
+        return (Paths, self._key())
+
     def __repr__(self) -> str:
         return "Paths(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 

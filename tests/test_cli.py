@@ -1,0 +1,106 @@
+"""The ``agentsandbox`` command as a person runs it: a real subprocess each time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentsandbox import __version__
+from tests.conftest import REPO, User
+
+
+def cli(user: User, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(user.env, PYTHONPATH=str(REPO), AGENTSANDBOX_EXE="/usr/bin/agentsandbox")
+    return subprocess.run(
+        [sys.executable, "-m", "agentsandbox", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_help_and_version(user: User) -> None:
+    p = cli(user, "--help")
+    assert p.returncode == 0
+    for name in ("config", "render", "install", "check", "hook"):
+        assert f"  {name}" in p.stdout
+    assert cli(user, "--version").stdout == f"agentsandbox {__version__}\n"
+    bad = cli(user, "frobnicate")
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+    assert cli(user).returncode == 2
+
+
+def test_config_prints_the_effective_config_and_its_file(user: User) -> None:
+    user.writeConfig('[sandbox]\ndomains = ["example.org"]\n')
+    p = cli(user, "config")
+    assert p.returncode == 0
+    assert p.stdout.startswith(f"# effective config, from {user.configFile}\n")
+    assert 'domains = ["example.org"]' in p.stdout
+    data = json.loads(cli(user, "config", "--json").stdout)
+    assert data["sandbox"]["domains"] == ["example.org"]
+    assert data["source"] == str(user.configFile)
+
+
+def test_config_errors_exit_1_with_the_key(user: User) -> None:
+    user.writeConfig("[proxy]\nprot = 1\n")
+    p = cli(user, "config")
+    assert p.returncode == 1
+    assert p.stderr == f"agentsandbox: {user.configFile}: proxy.prot: unknown key (a typo here must not weaken the policy)\n"
+    for args in (("render", "claude"), ("check", "read", "/etc/hosts"), ("install", "--managed-dir", "/nonexistent")):
+        assert cli(user, *args).returncode != 0
+
+
+def test_render_claude_and_srt(user: User) -> None:
+    user.writeConfig('[sandbox]\nread = ["~/projects"]\n')
+    claude = json.loads(cli(user, "render", "claude").stdout)
+    assert claude["hooks"]["PreToolUse"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
+    assert "~/projects" in claude["sandbox"]["filesystem"]["allowRead"]
+    srt = json.loads(cli(user, "render", "srt").stdout)
+    assert str(user.home / "projects") in srt["filesystem"]["allowRead"]
+
+
+def test_check_read_write_host(user: User) -> None:
+    user.writeConfig('[sandbox]\nread = ["~/projects"]\ndomains = ["example.org", "*.example.com", "127.0.0.1:6443"]\n')
+    repo = str(user.home / "projects/repo")
+    ok = cli(user, "check", "read", "go.mod", "--cwd", repo)
+    assert ok.returncode == 0 and ok.stdout.startswith("allowed: a session may read go.mod (sandbox.read ")
+    no = cli(user, "check", "read", "~/.ssh/id_ed25519", "--cwd", repo)
+    assert no.returncode == 1
+    assert no.stdout == "refused: no rule lets a session read ~/.ssh/id_ed25519; add it or a parent to sandbox.read\n"
+    assert cli(user, "check", "write", "x.go", "--cwd", repo).returncode == 0
+    w = cli(user, "check", "write", "~/x.go", "--cwd", repo)
+    assert w.returncode == 1 and "sandbox.write" in w.stdout
+    assert cli(user, "check", "host", "example.org").returncode == 0
+    assert cli(user, "check", "host", "a.example.com:8443").returncode == 0
+    refused = cli(user, "check", "host", "example.com")
+    assert refused.returncode == 1
+    assert refused.stdout == "refused: example.com:443 is not on the allow list; add it to sandbox.domains\n"
+    assert cli(user, "check", "host", "127.0.0.1:6443").returncode == 0
+    assert cli(user, "check", "host", "127.0.0.1:6444").returncode == 1
+    assert cli(user, "check", "host", "[::1]:x").returncode == 1
+
+
+def test_check_host_names_the_injection(user: User) -> None:
+    p = cli(user, "check", "host", "api.github.com")
+    assert p.returncode == 0
+    assert "terminates TLS for api.github.com" in p.stdout
+
+
+def test_install_into_a_managed_dir(user: User, tmp_path: Path) -> None:
+    user.writeConfig('[sandbox]\nwrite = ["~/work"]\ndeny = ["~/work/scan"]\n')
+    managed = tmp_path / "claude-code"
+    p = cli(user, "install", "--managed-dir", str(managed))
+    assert p.returncode == 0, p.stderr
+    drop = managed / "managed-settings.d/50-agentsandbox.json"
+    assert p.stdout == f"installed {drop}\n"
+    assert drop.read_text() == cli(user, "render", "claude").stdout
+    assert (user.home / "work/scan").is_dir(), "install creates the deny mount points"
+    again = cli(user, "install", "--managed-dir", str(managed))
+    assert again.stdout == f"the drop-in {drop} is current\n"
+
+
+@pytest.mark.parametrize("args", [["check"], ["render"], ["render", "nope"], ["check", "read"]])
+def test_usage_errors(user: User, args: list[str]) -> None:
+    p = cli(user, *args)
+    assert p.returncode == 2 and "usage:" in p.stderr
