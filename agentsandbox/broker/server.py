@@ -106,7 +106,7 @@ class BrokerService(service.Service):
         self.ready: Deferred[None] = Deferred()
         self._started = 0.0
         self._stopping = False
-        self._pool = ThreadPool(minthreads=0, maxthreads=4, name="agentsandbox-broker")
+        self._pool = self._newPool()
         self._inotify: Any = None
         self._rescan: task.LoopingCall | None = None
         self._pending: dict[procfs.FileKey, list[Deferred[list[int]]]] = {}
@@ -125,11 +125,17 @@ class BrokerService(service.Service):
 
     # ------------------------------------------------------------------ lifecycle
 
+    @staticmethod
+    def _newPool() -> ThreadPool:
+        return ThreadPool(minthreads=0, maxthreads=4, name="agentsandbox-broker")
+
     def startService(self) -> None:
+        prepareSpool(self.spool, self.uid)
         super().startService()  # type: ignore[no-untyped-call]
         self._stopping = False
         self._started = self.clock.seconds()
-        prepareSpool(self.spool, self.uid)
+        if self._pool.joined:
+            self._pool = self._newPool()
         self._pool.start()
         d = self.inThread(cleanLeftovers, self.spool, self.procDir, self.uid)
         d.addCallback(lambda removed: self._listen(removed))
@@ -157,6 +163,8 @@ class BrokerService(service.Service):
         log.info("broker serving {spool}", spool=self.spool)
 
     def stopService(self) -> Deferred[None]:
+        if not self.running:
+            return defer.succeed(None)
         super().stopService()  # type: ignore[no-untyped-call]
         self._stopping = True
         if self._inotify is not None:
