@@ -58,3 +58,314 @@ class ConnectTests(TestCase):
         name = b"echo.example.org"
         out = await exchange(h.port, b"\x05\x01\x00" + b"\x05\x01\x00\x03" + bytes([len(name)]) + name + (443).to_bytes(2, "big") + b"data")
         self.assertEqual(out, b"\x05\x00" + b"\x05\x00\x00\x01" + b"\0" * 6 + b"data")
+
+
+# ---------------------------------------------------------------- helpers
+
+from twisted.internet.defer import Deferred  # noqa: E402
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol  # noqa: E402
+from twisted.internet.protocol import Protocol  # noqa: E402
+from zope.interface import implementer  # noqa: E402
+
+from agentsandbox.egress.interfaces import ITerminator  # noqa: E402
+from tests.support.egress_fixtures import Collector  # noqa: E402
+
+
+def socksConnect(host: bytes, port: int, atyp: int = 3, auth: bool = False) -> bytes:
+    greeting = b"\x05\x01\x02" + b"\x01\x0bsrt-sandbox\x0bplaceholder" if auth else b"\x05\x01\x00"
+    if atyp == 3:
+        addr = bytes([3, len(host)]) + host
+    else:
+        addr = bytes([atyp]) + host
+    return greeting + b"\x05\x01\x00" + addr + port.to_bytes(2, "big")
+
+
+OK = b"\x05\x00\x00\x01" + b"\0" * 6
+
+
+def socksReply(code: int) -> bytes:
+    return bytes([5, code, 0, 1]) + b"\0" * 6
+
+
+class Recorder(Protocol):
+    """A fake TLS terminator's protocol: records what it is fed and answers."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def connectionMade(self):
+        self.log.append(("made", self.transport is not None))
+
+    def dataReceived(self, data):
+        self.log.append(("data", data))
+        self.transport.write(b"terminated:" + data)
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason=None):
+        self.log.append(("lost", None))
+
+
+@implementer(ITerminator)
+class FakeTerminator:
+    def __init__(self):
+        self.calls = []
+        self.fed = []
+
+    def terminate(self, host, addresses):
+        self.calls.append((host, [str(a) for a in addresses]))
+        return Recorder(self.fed)
+
+
+class BaseProxyTest(TestCase):
+    async def proxy(self, domains, table=None, upstream=Echo, routes=((("192.0.2.10", 443)),), **kw):
+        server = await listen(Factory.forProtocol(upstream))
+        self.addCleanup(server.stopListening)
+        self.upstreamPort = server.getHost().port
+        dialer = MappedDialer(reactor)
+        for addr, port in routes:
+            dialer.route(addr, port, self.upstreamPort)
+        h = ProxyHarness(domains, FixedResolver(table if table is not None else {"echo.example.org": ["192.0.2.10"]}), dialer, **kw)
+        await h.start()
+        self.addCleanup(h.stop)
+        return h
+
+
+class SocksTests(BaseProxyTest):
+    @deferredTest
+    async def test_userPassAcceptedAndIgnored(self):
+        h = await self.proxy(["echo.example.org"])
+        out = await exchange(h.port, socksConnect(b"echo.example.org", 443, auth=True) + b"abc")
+        self.assertEqual(out, b"\x05\x02" + b"\x01\x00" + OK + b"abc")
+        self.assertNotIn("placeholder", open(h.auditPath).read())
+
+    @deferredTest
+    async def test_ipv4AndIpv6Addresses(self):
+        h = await self.proxy(["192.0.2.10:443", "[2001:db8::10]:443"], routes=[("192.0.2.10", 443), ("2001:db8::10", 443)])
+        out = await exchange(h.port, socksConnect(bytes([192, 0, 2, 10]), 443, atyp=1) + b"v4")
+        self.assertEqual(out, b"\x05\x00" + OK + b"v4")
+        v6 = ipaddress_packed("2001:db8::10")
+        out = await exchange(h.port, socksConnect(v6, 443, atyp=4) + b"v6")
+        self.assertEqual(out, b"\x05\x00" + OK + b"v6")
+
+    @deferredTest
+    async def test_refusals(self):
+        h = await self.proxy(["echo.example.org:443"])
+        # the listed port + 1: refused by the rules (code 2)
+        self.assertEqual(await exchange(h.port, socksConnect(b"echo.example.org", 444)), b"\x05\x00" + socksReply(2))
+        self.assertEqual(await exchange(h.port, socksConnect(b"example.com", 443)), b"\x05\x00" + socksReply(2))
+        # BIND (2) and UDP ASSOCIATE (3): command not supported (7)
+        self.assertEqual(await exchange(h.port, b"\x05\x01\x00\x05\x02\x00\x01" + b"\0" * 6), b"\x05\x00" + socksReply(7))
+        self.assertEqual(await exchange(h.port, b"\x05\x01\x00\x05\x03\x00\x01" + b"\0" * 6), b"\x05\x00" + socksReply(7))
+        # unknown address type: 8
+        self.assertEqual(await exchange(h.port, b"\x05\x01\x00\x05\x01\x00\x09" + b"\0" * 6), b"\x05\x00" + socksReply(8))
+        # no acceptable method (GSSAPI only)
+        self.assertEqual(await exchange(h.port, b"\x05\x01\x01"), b"\x05\xff")
+        # bad sub-negotiation version
+        self.assertEqual(await exchange(h.port, b"\x05\x01\x02\x05\x01a\x01b"), b"\x05\x02\x01\x01")
+        # an unresolvable but allowed name: host unreachable (4)
+        h2 = await self.proxy(["gone.example.org"], table={})
+        self.assertEqual(await exchange(h2.port, socksConnect(b"gone.example.org", 443)), b"\x05\x00" + socksReply(4))
+        events = [(r["event"], r.get("host")) for r in h.records()]
+        self.assertIn(("refused", "echo.example.org"), events)
+        self.assertIn(("refused", "example.com"), events)
+        self.assertIn(("parse", None), events)
+
+    @deferredTest
+    async def test_portSpecificLoopbackEntry(self):
+        echo = await listen(Factory.forProtocol(Echo))
+        self.addCleanup(echo.stopListening)
+        port = echo.getHost().port
+        h = ProxyHarness([f"127.0.0.1:{port}"])
+        await h.start()
+        self.addCleanup(h.stop)
+        out = await exchange(h.port, socksConnect(bytes([127, 0, 0, 1]), port, atyp=1) + b"lo")
+        self.assertEqual(out, b"\x05\x00" + OK + b"lo")
+        out = await exchange(h.port, socksConnect(bytes([127, 0, 0, 1]), port + 1, atyp=1))
+        self.assertEqual(out, b"\x05\x00" + socksReply(2))
+
+
+def ipaddress_packed(text: str) -> bytes:
+    import ipaddress
+
+    return ipaddress.ip_address(text).packed
+
+
+class HttpTests(BaseProxyTest):
+    @deferredTest
+    async def test_connectErrorsAre400(self):
+        h = await self.proxy(["echo.example.org"])
+        for head in (
+            b"CONNECT echo.example.org HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"CONNECT echo.example.org:0 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"CONNECT echo.example.org:99999 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"CONNECT user@echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n",
+        ):
+            out = await exchange(h.port, head)
+            self.assertTrue(out.startswith(b"HTTP/1.1 400 Bad Request\r\n"), out)
+            self.assertIn(b"CONNECT wants host:port", out)
+        out = await exchange(h.port, b"GET / HTTP/1.1\r\nHost: echo.example.org\r\n\r\n")
+        self.assertIn(b"400 Bad Request", out)
+        self.assertIn(b"forwards http:// URLs", out)
+        out = await exchange(h.port, b"GET https://echo.example.org/ HTTP/1.1\r\nHost: echo.example.org\r\n\r\n")
+        self.assertIn(b"400 Bad Request", out)
+        out = await exchange(h.port, b"\x16\x03\x01garbage\r\n\r\n")
+        self.assertIn(b"400", out)
+        # the error reply format of reference §3.2
+        out = await exchange(h.port, b"CONNECT nope.example.net:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = out.partition(b"\r\n\r\n")
+        self.assertEqual(
+            head.split(b"\r\n"),
+            [b"HTTP/1.1 403 Forbidden", b"Content-Type: text/plain; charset=utf-8", b"Content-Length: %d" % len(body), b"Connection: close"],
+        )
+        self.assertTrue(body.endswith(b"\n"))
+
+    @deferredTest
+    async def test_connectTriesTheNextAddress(self):
+        # the first (public) address refuses connections, the second answers
+        h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["127.0.0.1", "198.51.100.7", "192.0.2.10"]})
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nok")
+        self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nok")
+        # 127.0.0.1 is refused by the rules and never dialled
+        self.assertEqual(h.dialer.dialled, [("198.51.100.7", 443), ("192.0.2.10", 443)])
+        self.assertEqual(h.resolver.lookups, ["echo.example.org"])
+
+    @deferredTest
+    async def test_dialFailureIs502NamingTheAddresses(self):
+        h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["198.51.100.7"]})
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"502 Bad Gateway", out)
+        self.assertIn(b"could not connect to echo.example.org:443 (198.51.100.7:", out)
+        self.assertEqual(h.records()[-1]["event"], "failed")
+
+    @deferredTest
+    async def test_privateAnswerRefusedWithTheRule(self):
+        h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["10.0.0.5"]})
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"403 Forbidden", out)
+        self.assertIn(b"echo.example.org resolves to 10.0.0.5, which is private (RFC 1918) 10.0.0.0/8", out)
+        rec = h.records()[-1]
+        self.assertEqual((rec["address"], rec["allow"]), ("10.0.0.5", "10.0.0.5:443"))
+
+    @deferredTest
+    async def test_tunnelCapIs503AndReleased(self):
+        h = await self.proxy(["echo.example.org"], proxy={"max_tunnels": 1})
+        first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
+        while b"200" not in first.received:
+            await sleep(0.01)
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"503 Service Unavailable", out)
+        self.assertIn(b"proxy.max_tunnels", out)
+        out = await exchange(h.port, socksConnect(b"echo.example.org", 443))
+        self.assertEqual(out, b"\x05\x00" + socksReply(1))
+        first.transport.loseConnection()
+        await first.done
+        while h.factory.reserved:
+            await sleep(0.01)
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nagain")
+        self.assertTrue(out.endswith(b"again"))
+
+    @deferredTest
+    async def test_headerTimeout(self):
+        h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2})
+        c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\n")
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await c.done
+        self.assertIn("proxy.header_timeout", h.records()[-1]["reason"])
+
+    @deferredTest
+    async def test_idleTimeoutClosesTunnel(self):
+        h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3})
+        c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await c.done
+        rec = h.records()[-1]
+        self.assertEqual(rec["event"], "tunnel")
+        self.assertIn("proxy.idle_timeout", rec["reason"])
+
+    @deferredTest
+    async def test_halfCloseBothWays(self):
+        # the upstream greets, the client half-closes after sending; the echo
+        # finishes and closes; the client gets everything and a clean end
+        h = await self.proxy(["echo.example.org"], upstream=Greeter)
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 100000)
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"))
+
+    @deferredTest
+    async def test_injectedHostGoesToTheTerminator(self):
+        term = FakeTerminator()
+        h = await self.proxy(
+            ["api.github.com"],
+            table={"api.github.com": ["10.0.0.1", "192.0.2.10"]},
+            terminator=term,
+            config=None,
+        )
+        # build a config with an inject rule for api.github.com
+        from tests.support.egress_fixtures import makeConfig
+
+        h.factory.holder.swap(
+            makeConfig(
+                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
+                'format = "token {token}"\ntoken_env = "T"\n'
+            )
+        )
+        out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
+        self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nterminated:hello")
+        self.assertEqual(term.calls, [("api.github.com", ["192.0.2.10"])])
+        self.assertEqual(h.dialer.dialled, [])
+        self.assertEqual(term.fed[0], ("made", True))
+        self.assertIn(("data", b"hello"), term.fed)
+        out = await exchange(h.port, socksConnect(b"api.github.com", 443) + b"hi")
+        self.assertEqual(out, b"\x05\x00" + OK + b"terminated:hi")
+
+    @deferredTest
+    async def test_injectedHostWithoutTerminatorRefused(self):
+        h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]})
+        from tests.support.egress_fixtures import makeConfig
+
+        h.factory.holder.swap(
+            makeConfig(
+                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
+                'format = "token {token}"\ntoken_env = "T"\n'
+            )
+        )
+        out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"403 Forbidden", out)
+        self.assertIn(b"without the TLS terminator", out)
+        self.assertEqual(h.dialer.dialled, [])
+
+    @deferredTest
+    async def test_peerRefused(self):
+        class NotYou:
+            def check(self, client, server):
+                return "its socket belongs to uid 4242, not 0"
+
+        h = await self.proxy(["echo.example.org"], peers=NotYou())
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(out, b"")
+        rec = h.records()[-1]
+        self.assertEqual((rec["event"], rec["reason"]), ("peer", "its socket belongs to uid 4242, not 0"))
+
+    @deferredTest
+    async def test_reloadAppliesToNewConnectionsOnly(self):
+        h = await self.proxy(["echo.example.org"])
+        first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
+        while b"200" not in first.received:
+            await sleep(0.01)
+        from tests.support.egress_fixtures import domainsToml, makeConfig
+
+        h.factory.holder.swap(makeConfig(domainsToml(["other.example.org"])))
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"403", out)
+        first.transport.write(b"still open")
+        while not first.received.endswith(b"still open"):
+            await sleep(0.01)
+        first.transport.loseConnection()
+        await first.done
+
+
+async def sleep(seconds: float) -> None:
+    d: Deferred[None] = Deferred()
+    reactor.callLater(seconds, d.callback, None)
+    await d

@@ -166,10 +166,15 @@ class ProxyHarness:
         self.port = listening.getHost().port
         return self
 
-    async def stop(self) -> None:
-        await self.service.stopService()  # type: ignore[misc]
-        if self.audit is not None:
-            self.audit.close()
+    def stop(self) -> Deferred[None]:
+        """A Deferred, not a coroutine: trial 22.4's addCleanup waits only for Deferreds."""
+
+        async def stopping() -> None:
+            await self.service.stopService()  # type: ignore[misc]
+            if self.audit is not None:
+                self.audit.close()
+
+        return Deferred.fromCoroutine(stopping())
 
     def records(self) -> list[dict[str, Any]]:
         from agentsandbox.audit import readRecords
@@ -236,3 +241,18 @@ async def exchange(port: int, send: bytes, halfClose: bool = True) -> bytes:
     c = Collector(send, halfClose)
     await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), c)
     return await c.done
+
+
+async def sleep(seconds: float) -> None:
+    d: Deferred[None] = Deferred()
+    reactor.callLater(seconds, d.callback, None)
+    await d
+
+
+async def waitFor(predicate: Any, what: str, limit: float = 30.0) -> None:
+    """Poll ``predicate`` every 10 ms; fail with ``what`` after ``limit`` seconds (bounded)."""
+    for _ in range(int(limit / 0.01)):
+        if predicate():
+            return
+        await sleep(0.01)
+    raise AssertionError(f"gave up waiting for {what}")
