@@ -1,0 +1,68 @@
+"""twistd glue: ``twistd -n agentsandbox [--config FILE]`` and the plugin-free runner.
+
+``agentsandbox-twistd`` behaves exactly like ``twistd`` (same flags, same
+``--help``) but knows only our service maker, so it never scans or writes the
+plugin cache: an install in a read-only location (the Nix store,
+``/usr/lib/python3/dist-packages`` for another user) never warns about it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from twisted.application.service import IService, ServiceMaker
+from twisted.python import usage
+
+from agentsandbox import __version__
+
+
+class Options(usage.Options):
+    synopsis = "[--config FILE]"
+    longdesc = (
+        "Run the agentsandbox service: the egress proxy, the broker, the token keepers, "
+        "the config watcher and the audit log, in one reactor."
+    )
+    optParameters = [
+        ["config", "c", None, "config file (default: $AGENTSANDBOX_CONFIG, the user's, the system's, built-in)"],
+    ]
+
+    def opt_version(self) -> None:
+        print(f"agentsandbox {__version__}")
+        sys.exit(0)
+
+
+def makeService(options: Options) -> IService:
+    from twisted.internet import reactor
+
+    from agentsandbox.config import ConfigError, load
+    from agentsandbox.service import makeService as make
+
+    try:
+        config = load(options["config"])
+    except ConfigError as e:
+        raise usage.UsageError(str(e)) from None
+    return make(config, reactor=reactor, configPath=None if config.source.startswith("<") else config.source)
+
+
+serviceMaker = ServiceMaker(
+    "agentsandbox",
+    "agentsandbox.tap",
+    "The agentsandbox egress proxy, broker, token keepers and config watcher.",
+    "agentsandbox",
+)
+
+
+def runTwistd(argv: list[str] | None = None) -> None:
+    """``agentsandbox-twistd``: twistd that knows only our service maker."""
+    from twisted.application import app
+    from twisted.scripts import twistd
+
+    class ServerOptions(twistd.ServerOptions):  # type: ignore[misc]
+        @staticmethod
+        def _getPlugins(interface: Any) -> list[ServiceMaker]:
+            return [serviceMaker]
+
+    if argv is not None:
+        sys.argv[1:] = argv
+    app.run(twistd.runApp, ServerOptions)
