@@ -17,6 +17,7 @@ everywhere, and our hook's reason only where our hook is the layer.
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import shutil
 import tempfile
@@ -43,9 +44,14 @@ from tests.support.claude_harness import (
     runClaude,
     tempLeftoversRemoved,
 )
-from tests.support.mock_messages import FINAL_PREFIX, MOCK_ERROR, MockMessagesAPI, ToolCall
-
-pytestmark = pytest.mark.claude
+from tests.support.mock_messages import (
+    FINAL_PREFIX,
+    MOCK_ERROR,
+    SCRIPT_MARKER,
+    MockMessagesAPI,
+    ToolCall,
+    scriptPrompt,
+)
 
 DROP_IN = MANAGED_ROOT / "managed-settings.d" / "50-agentsandbox.json"
 
@@ -124,6 +130,7 @@ def assertOurHook(outcome: ToolOutcome, path: str, run: ClaudeRun) -> None:
     assert path in outcome.text, f"the reason does not name {path}\n{run.describe()}"
 
 
+@pytest.mark.claude
 def test_read_ssh_key_denied_by_our_hook(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                           managed: dict[str, Any]) -> None:
     key = str(world.home / ".ssh" / "id_ed25519")
@@ -143,6 +150,7 @@ def test_read_ssh_key_denied_by_our_hook(claude: ClaudeBinary, world: World, api
     assertOurHook(elsewhere, stray, run)
 
 
+@pytest.mark.claude
 def test_grep_without_path_in_home_denied(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                           managed: dict[str, Any]) -> None:
     # Without a path Grep searches the cwd, here all of home: the hook must
@@ -152,6 +160,7 @@ def test_grep_without_path_in_home_denied(claude: ClaudeBinary, world: World, ap
     assertOurHook(run.outcomes[0], str(world.home), run)
 
 
+@pytest.mark.claude
 def test_relative_glob_into_ssh_denied(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                        managed: dict[str, Any]) -> None:
     run = play(claude, world, api, [ToolCall("Glob", {"pattern": "../../.ssh/*"})], cwd=world.project)
@@ -160,6 +169,7 @@ def test_relative_glob_into_ssh_denied(claude: ClaudeBinary, world: World, api: 
     assert "id_ed25519" not in outcome.text, run.describe()
 
 
+@pytest.mark.claude
 def test_write_bashrc_denied(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                              managed: dict[str, Any]) -> None:
     bashrc = str(world.home / ".bashrc")
@@ -175,6 +185,7 @@ def test_write_bashrc_denied(claude: ClaudeBinary, world: World, api: MockMessag
         assertOurHook(outcome, bashrc, run)
 
 
+@pytest.mark.claude
 def test_write_new_file_in_home_denied_by_our_hook(claude: ClaudeBinary, world: World,
                                                    api: MockMessagesAPI,
                                                    managed: dict[str, Any]) -> None:
@@ -188,6 +199,7 @@ def test_write_new_file_in_home_denied_by_our_hook(claude: ClaudeBinary, world: 
     assert not target.exists()
 
 
+@pytest.mark.claude
 def test_notebook_edit_outside_write_list_denied(claude: ClaudeBinary, world: World,
                                                  api: MockMessagesAPI,
                                                  managed: dict[str, Any]) -> None:
@@ -209,6 +221,7 @@ def test_notebook_edit_outside_write_list_denied(claude: ClaudeBinary, world: Wo
     assert {p: p.read_bytes() for p in notebooks} == before
 
 
+@pytest.mark.claude
 def test_read_project_file_allowed(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                    managed: dict[str, Any]) -> None:
     readme = world.project / "README.md"
@@ -222,19 +235,25 @@ def test_read_project_file_allowed(claude: ClaudeBinary, world: World, api: Mock
     assert FINAL_PREFIX in str((run.result or {}).get("result")), run.describe()
 
 
+@pytest.mark.claude
 def test_bash_cat_key_denied_by_sandbox(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                         managed: dict[str, Any]) -> None:
-    # The Bash tool is not the hook's: the sandbox has to hide the key.  A
-    # second command shows the sandbox really ran (and did not just fail).
+    # The Bash tool is not the hook's: the sandbox has to hide the key, also
+    # when the model asks to leave the sandbox.  The last command shows the
+    # sandbox really ran (and did not just fail).
     run = play(claude, world, api, [
         ToolCall("Bash", {"command": "cat ~/.ssh/id_ed25519"}),
+        ToolCall("Bash", {"command": "cat ~/.ssh/id_ed25519", "dangerouslyDisableSandbox": True}),
+        ToolCall("Bash", {"command": f"cat {world.strayKey}"}),
         ToolCall("Bash", {"command": "echo sandboxed=$SANDBOX_RUNTIME; cat README.md"}),
     ], cwd=world.project)
-    cat, probe = run.outcomes
-    assertRefused(cat, run)
+    *cats, probe = run.outcomes
+    for cat in cats:
+        assertRefused(cat, run)
     assert "sandboxed=1" in probe.text and PROJECT_TEXT in probe.text, run.describe()
 
 
+@pytest.mark.claude
 def test_broken_config_fails_closed(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
     # The same Read that test_read_project_file_allowed shows allowed: with a
@@ -249,6 +268,7 @@ def test_broken_config_fails_closed(claude: ClaudeBinary, world: World, api: Moc
         assert "agentsandbox" in outcome.text, f"not our hook's reason\n{run.describe()}"
 
 
+@pytest.mark.claude
 def test_bash_env_has_no_credentials(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                      managed: dict[str, Any]) -> None:
     run = play(claude, world, api, [ToolCall("Bash", {"command": "env"})], cwd=world.project)
@@ -288,6 +308,7 @@ def _contains(effective: Any, wanted: Any, where: str = "") -> list[str]:
     return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
 
 
+@pytest.mark.claude
 def test_get_settings_shows_drop_in(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
     settings = getSettings(claude.require(), cwd=world.project, env=world.claudeEnv(api))
@@ -300,3 +321,87 @@ def test_get_settings_shows_drop_in(claude: ClaudeBinary, world: World, api: Moc
     assert effective["sandbox"]["enabled"] is True
     assert effective["sandbox"]["allowUnsandboxedCommands"] is False
     assert effective["sandbox"]["filesystem"]["denyRead"][:2] == ["~/", "//run/user"]
+
+
+# --- the mock itself (no Claude Code, no root) --------------------------------------
+
+
+def _post(api: MockMessagesAPI, body: dict[str, Any], path: str = "/v1/messages") -> tuple[int, str, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.getheader("Content-Type") or "", response.read().decode()
+    finally:
+        connection.close()
+
+
+_TOOLS = [{"name": "Read", "input_schema": {}}, {"name": "Bash", "input_schema": {}}]
+_SCRIPT = [ToolCall("Read", {"file_path": "/x"}), ToolCall("Bash", {"command": "true"})]
+
+
+def _conversation(results: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": scriptPrompt(_SCRIPT)}]}]
+    for i in range(results):
+        messages.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}"}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"result {i}"}]})
+    return messages
+
+
+def test_mock_plays_the_script_in_order_as_json(api: MockMessagesAPI) -> None:
+    replies = []
+    for done in range(3):
+        status, kind, text = _post(api, {"model": "m", "messages": _conversation(done), "tools": _TOOLS})
+        assert (status, kind) == (200, "application/json")
+        replies.append(json.loads(text))
+    first, second, last = replies
+    assert first["stop_reason"] == "tool_use"
+    assert first["content"][0] | {"id": ""} == {"type": "tool_use", "id": "", "name": "Read",
+                                               "input": {"file_path": "/x"}}
+    assert second["content"][0]["name"] == "Bash"
+    assert last["stop_reason"] == "end_turn"
+    assert last["content"][0]["text"].startswith(FINAL_PREFIX) and "result 1" in last["content"][0]["text"]
+
+
+def test_mock_streams_server_sent_events(api: MockMessagesAPI) -> None:
+    status, kind, text = _post(api, {"model": "m", "stream": True, "messages": _conversation(0),
+                                     "tools": _TOOLS})
+    assert (status, kind) == (200, "text/event-stream")
+    events = [block.split("\n") for block in text.strip().split("\n\n")]
+    names = [lines[0].removeprefix("event: ") for lines in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    data = [json.loads(lines[1].removeprefix("data: ")) for lines in events]
+    assert data[1]["content_block"]["name"] == "Read" and data[1]["content_block"]["input"] == {}
+    assert json.loads(data[2]["delta"]["partial_json"]) == {"file_path": "/x"}
+    assert data[4]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_mock_says_when_a_scripted_tool_is_not_offered(api: MockMessagesAPI) -> None:
+    status, _, text = _post(api, {"model": "m", "messages": _conversation(0),
+                                  "tools": [{"name": "Bash"}]})
+    assert status == 200
+    reply = json.loads(text)
+    assert reply["stop_reason"] == "end_turn"
+    assert reply["content"][0]["text"].startswith(f"{MOCK_ERROR}: tool Read not offered")
+
+
+def test_mock_answers_unscripted_and_bad_requests(api: MockMessagesAPI) -> None:
+    status, _, text = _post(api, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and json.loads(text)["content"][0]["text"] == "ok"
+    assert _post(api, {"model": "m"}, "/v1/other")[0] == 404
+    broken = {"model": "m", "messages": [{"role": "user", "content": SCRIPT_MARKER + '{"no": 1}'}]}
+    assert MOCK_ERROR in json.loads(_post(api, broken)[2])["content"][0]["text"]
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+    try:
+        connection.request("POST", "/v1/messages", b"not json")
+        assert connection.getresponse().status == 400
+    finally:
+        connection.close()
+
+
+def test_mock_listens_on_loopback_only() -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        MockMessagesAPI(host="0.0.0.0").start()
