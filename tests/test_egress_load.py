@@ -1,0 +1,123 @@
+"""Load and faults, bounded: 500 concurrent tunnels and the fd count, an upstream
+reset mid-transfer, and generated garbage on live sockets."""
+
+from __future__ import annotations
+
+import os
+
+from twisted.internet.error import ConnectionDone
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.protocol import Factory, Protocol
+from twisted.trial.unittest import TestCase
+
+from tests.support.egress_fixtures import (
+    Collector,
+    Echo,
+    FixedResolver,
+    MappedDialer,
+    ProxyHarness,
+    deferredTest,
+    exchange,
+    listen,
+    reactor,
+    waitFor,
+)
+
+CONNECT = b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: echo.example.org:443\r\n\r\n"
+
+
+def openFds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Resetter(Protocol):
+    """Sends 1 MiB, then resets the connection (RST) mid-transfer."""
+
+    def connectionMade(self) -> None:
+        self.transport.write(b"r" * (1 << 20))
+        reactor.callLater(0.05, self.transport.abortConnection)
+
+
+class LoadTests(TestCase):
+    async def proxy(self, upstream=Echo, **kw):
+        server = await listen(Factory.forProtocol(upstream))
+        self.addCleanup(server.stopListening)
+        dialer = MappedDialer(reactor)
+        dialer.route("192.0.2.10", 443, server.getHost().port)
+        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, **kw)
+        await h.start()
+        self.addCleanup(h.stop)
+        return h
+
+    @deferredTest
+    async def test_fiveHundredTunnelsThenFdsBackToBaseline(self):
+        h = await self.proxy()
+        # warm up once so lazily created fds (thread pools, log files) exist in the baseline
+        await exchange(h.port, CONNECT + b"warm")
+        await waitFor(lambda: not h.factory.tunnels, "the warm-up tunnel to close")
+        baseline = openFds()
+        clients = []
+        for _ in range(500):
+            c = Collector(CONNECT)
+            clients.append(c)
+            await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await waitFor(lambda: len(h.factory.tunnels) == 500, "500 open tunnels", 60)
+        for i, c in enumerate(clients):
+            c.transport.write(b"%d;" % i)
+        await waitFor(lambda: all(c.received.endswith(b"%d;" % i) for i, c in enumerate(clients)), "every echo", 60)
+        # each tunnel holds 4 fds here: client, proxy's client side, proxy's upstream side, echo
+        self.assertGreaterEqual(openFds() - baseline, 2000)
+        for c in clients:
+            c.transport.loseConnection()
+        for c in clients:
+            await c.done
+        await waitFor(lambda: not h.factory.tunnels and h.factory.reserved == 0, "the tunnels to close", 60)
+        await waitFor(lambda: openFds() <= baseline, f"fds back to {baseline} (now {openFds()})", 60)
+        self.assertEqual(len([r for r in h.records() if r["event"] == "tunnel"]), 501)
+
+    @deferredTest
+    async def test_upstreamResetMidTransfer(self):
+        h = await self.proxy(upstream=Resetter)
+        c = Collector(CONNECT)
+        await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await c.done
+        self.assertTrue(c.received.startswith(b"HTTP/1.1 200"))
+        # the reset reaches the client as a reset, so a truncated transfer never looks complete
+        self.assertIsNone(c.reason.check(ConnectionDone), c.reason)
+        rec = [r for r in h.records() if r["event"] == "tunnel"][-1]
+        self.assertIn("upstream connection ended", rec.get("reason", ""))
+        # the proxy serves the next client
+        h2 = await self.proxy()
+        self.assertTrue((await exchange(h2.port, CONNECT + b"next")).endswith(b"next"))
+        self.assertTrue((await exchange(h.port, b"CONNECT example.net:443 HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 403"))
+
+
+class LiveGarbageTests(TestCase):
+    @deferredTest
+    async def test_garbageOverLiveSocketsLeavesTheProxyServing(self):
+        import random
+
+        server = await listen(Factory.forProtocol(Echo))
+        self.addCleanup(server.stopListening)
+        dialer = MappedDialer(reactor)
+        dialer.route("192.0.2.10", 443, server.getHost().port)
+        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, proxy={"header_timeout": 2})
+        await h.start()
+        self.addCleanup(h.stop)
+        rng = random.Random(1928)
+        samples = [
+            b"\x05", b"\x05\x00", b"\x05\x01\x00\x05\x01\x00\x03\x00\x01\xbb", b"\x05\xff" + bytes(255),
+            b"CONNECT :443 HTTP/1.1\r\n\r\n", b"GET http:// HTTP/1.1\r\nHost: \r\n\r\n", b"\r\n\r\n",
+            b"POST http://echo.example.org/ HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"GET http://echo.example.org/ HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            b"A" * 70000 + b"\r\n\r\n",
+        ]
+        for _ in range(300):
+            base = rng.choice(samples)
+            noise = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+            cut = rng.randrange(len(base) + 1)
+            out = await exchange(h.port, base[:cut] + noise)
+            self.assertTrue(out == b"" or out[:1] == b"\x05" or out.startswith(b"HTTP/1.1 4") or out.startswith(b"HTTP/1.1 5"), out[:80])
+        out = await exchange(h.port, CONNECT + b"alive")
+        self.assertTrue(out.endswith(b"alive"))
+        self.assertEqual(self.flushLoggedErrors(), [])
