@@ -1,0 +1,368 @@
+"""A local fake GitHub for the injection tests: a TLS server with its own test CA.
+
+Nothing here is reachable by name: the tests give the injector (or the proxy)
+a dialer that maps documentation addresses to these loopback listeners, and
+pass the test CA as the upstream trust root.  The fake records what reached
+it (method, path, Host, every Authorization value, body digest) so a test can
+show the token arrived in headers and nowhere else.
+
+Routes:
+- ``GET /user``: ``{"login": "octocat"}`` when ``Authorization: token T``,
+  else 401.
+- ``POST|PUT /echo``: the body, byte for byte.
+- ``PUT /upload``: the body's length and SHA-256, read in pieces.
+- ``GET /download?n=N``: N bytes, produced as the client reads.
+- ``/o/NAME.git/...``: git's smart HTTP (``git http-backend``), Basic
+  ``x-access-token:T`` required, so clone and push show the injected header.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from twisted.internet import endpoints, ssl
+from twisted.internet.interfaces import IListeningPort, IReactorTCP
+from twisted.internet.protocol import Factory, Protocol
+from twisted.web import resource, server, twcgi
+
+GIT_HTTP_BACKEND_CANDIDATES = ("/usr/lib/git-core/git-http-backend", "/usr/libexec/git-core/git-http-backend")
+
+
+def gitHttpBackend() -> str | None:
+    for path in GIT_HTTP_BACKEND_CANDIDATES:
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which("git")
+    if found:
+        candidate = os.path.join(os.path.dirname(os.path.realpath(found)), "..", "lib", "git-core", "git-http-backend")
+        if os.access(candidate, os.X_OK):
+            return os.path.normpath(candidate)
+    return None
+
+
+# ---------------------------------------------------------------------- a test PKI
+
+
+@dataclass
+class TestPKI:
+    """A test root and leaves it signs; the root's PEM is the upstream trust."""
+
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    @classmethod
+    def create(cls, name: str = "agentsandbox test upstream CA") -> TestPKI:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        return cls(key, cert)
+
+    @property
+    def pem(self) -> bytes:
+        return self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def trustRoot(self) -> Any:
+        return ssl.trustRootFromCertificates([ssl.Certificate.loadPEM(self.pem)])
+
+    def serverOptions(self, names: Iterable[str]) -> ssl.CertificateOptions:
+        """Server TLS for ``names`` (ALPN http/1.1, which ALPN clients need on Twisted 26)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = list(names)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        keyPEM = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        certPEM = cert.public_bytes(serialization.Encoding.PEM)
+        pair = ssl.PrivateCertificate.loadPEM(keyPEM + certPEM)
+        return ssl.CertificateOptions(
+            privateKey=pair.privateKey.original,
+            certificate=pair.original,
+            acceptableProtocols=[b"http/1.1"],
+        )
+
+
+# ---------------------------------------------------------------------- the fake
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    host: str
+    authorization: list[str]
+    headers: dict[str, list[str]]
+    bodyLength: int
+    bodyDigest: str
+
+
+@dataclass
+class FakeGitHub:
+    """What reached the fake, and the token it expects."""
+
+    token: str
+    gitRoot: str
+    seen: list[Seen] = field(default_factory=list)
+
+    def record(self, request: server.Request, body: bytes | None = None, length: int = 0, digest: str = "") -> Seen:
+        headers: dict[str, list[str]] = {}
+        for name, values in request.requestHeaders.getAllRawHeaders():
+            headers[name.decode().lower()] = [v.decode("latin-1") for v in values]
+        if body is not None:
+            length, digest = len(body), hashlib.sha256(body).hexdigest()
+        seen = Seen(
+            method=request.method.decode(),
+            path=request.uri.decode("latin-1"),
+            host=(request.getHeader(b"host") or b"").decode("latin-1"),
+            authorization=headers.get("authorization", []),
+            headers=headers,
+            bodyLength=length,
+            bodyDigest=digest,
+        )
+        self.seen.append(seen)
+        return seen
+
+    def basic(self) -> str:
+        import base64
+
+        return "Basic " + base64.b64encode(f"x-access-token:{self.token}".encode()).decode()
+
+    def site(self) -> server.Site:
+        root = resource.Resource()
+        root.putChild(b"user", _User(self))
+        root.putChild(b"echo", _Echo(self))
+        root.putChild(b"upload", _Upload(self))
+        root.putChild(b"download", _Download(self))
+        root.putChild(b"o", _Git(self))
+        site = server.Site(root)
+        site.displayTracebacks = False
+        site.noisy = False
+        return site
+
+
+class _User(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, fake: FakeGitHub) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def render(self, request: server.Request) -> bytes:
+        seen = self.fake.record(request, request.content.read())
+        request.setHeader(b"content-type", b"application/json")
+        if seen.authorization != [f"token {self.fake.token}"]:
+            request.setResponseCode(401)
+            return b'{"message": "Bad credentials"}'
+        return json.dumps({"login": "octocat", "id": 1}).encode()
+
+
+class _Echo(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, fake: FakeGitHub) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def render(self, request: server.Request) -> bytes:
+        body = request.content.read()
+        self.fake.record(request, body)
+        request.setHeader(b"content-type", b"application/octet-stream")
+        return body
+
+
+class _Upload(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, fake: FakeGitHub) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def render(self, request: server.Request) -> bytes:
+        digest = hashlib.sha256()
+        length = 0
+        request.content.seek(0)
+        while True:
+            chunk = request.content.read(1 << 20)
+            if not chunk:
+                break
+            digest.update(chunk)
+            length += len(chunk)
+        self.fake.record(request, None, length, digest.hexdigest())
+        return json.dumps({"length": length, "sha256": digest.hexdigest()}).encode()
+
+
+class _Download(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, fake: FakeGitHub) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def render(self, request: server.Request) -> Any:
+        self.fake.record(request, b"")
+        size = int(request.args.get(b"n", [b"0"])[0])
+        request.setHeader(b"content-length", str(size).encode())
+        _Producer(request, size).start()
+        return server.NOT_DONE_YET
+
+
+class _Producer:
+    """Writes ``size`` bytes only as fast as the client takes them."""
+
+    CHUNK = b"x" * 65536
+
+    def __init__(self, request: server.Request, size: int) -> None:
+        self.request = request
+        self.left = size
+        self.paused = False
+
+    def start(self) -> None:
+        self.request.registerProducer(self, True)
+        self.resumeProducing()
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        while not self.paused and self.left > 0:
+            n = min(self.left, len(self.CHUNK))
+            self.left -= n
+            self.request.write(self.CHUNK[:n])
+        if self.left == 0 and not self.paused:
+            self.left = -1
+            self.request.unregisterProducer()
+            self.request.finish()
+
+    def stopProducing(self) -> None:
+        self.left = -1
+
+
+class _Git(resource.Resource):
+    """``git http-backend`` as CGI under /o/, behind the injected Basic credential."""
+
+    isLeaf = True
+
+    def __init__(self, fake: FakeGitHub) -> None:
+        super().__init__()
+        self.fake = fake
+        backend = gitHttpBackend()
+        self.cgi = _Backend(backend or "/nonexistent", fake.gitRoot)
+
+    def render(self, request: server.Request) -> Any:
+        seen = self.fake.record(request, None)
+        if seen.authorization != [self.fake.basic()]:
+            request.setResponseCode(401)
+            request.setHeader(b"www-authenticate", b'Basic realm="fake GitHub"')
+            return b"the fake GitHub wants the injected credential\n"
+        return self.cgi.render(request)
+
+
+class _Backend(twcgi.CGIScript):
+    def __init__(self, program: str, root: str) -> None:
+        super().__init__(program)
+        self.root = root
+
+    def runProcess(self, env: dict[str, str], request: server.Request, qargs: list[bytes] = []) -> None:  # noqa: B006
+        env = dict(env)
+        env.update(
+            GIT_PROJECT_ROOT=self.root,
+            GIT_HTTP_EXPORT_ALL="1",
+            REMOTE_USER="x-access-token",  # lets http-backend accept a push
+            PATH=os.environ.get("PATH", "/usr/bin:/bin"),
+        )
+        super().runProcess(env, request, qargs)
+
+
+# ---------------------------------------------------------------------- listening
+
+
+def listenTLS(reactor: IReactorTCP, site: Factory, options: ssl.CertificateOptions) -> IListeningPort:
+    port: IListeningPort = reactor.listenSSL(0, site, options, interface="127.0.0.1")  # type: ignore[attr-defined]
+    return port
+
+
+class RawWebSocketish(Protocol):
+    """Answers one Upgrade: websocket request with 101, then echoes raw bytes."""
+
+    def connectionMade(self) -> None:
+        self.buffer = b""
+        self.switched = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.switched:
+            self.transport.write(data)  # type: ignore[union-attr]
+            return
+        self.buffer += data
+        if b"\r\n\r\n" in self.buffer:
+            head, _, rest = self.buffer.partition(b"\r\n\r\n")
+            self.factory.heads.append(head)  # type: ignore[attr-defined]
+            self.switched = True
+            self.transport.write(  # type: ignore[union-attr]
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+            )
+            if rest:
+                self.transport.write(rest)  # type: ignore[union-attr]
+
+
+def documentationAddress(n: int) -> ipaddress.IPv4Address:
+    """TEST-NET-3 addresses stand for the fake's hosts; only the test dialer knows them."""
+    return ipaddress.IPv4Address(f"203.0.113.{n}")
+
+
+class LoopbackDialer:
+    """Maps documentation addresses to loopback listeners (the Dialer contract)."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+        self.ports: dict[str, int] = {}
+        self.dialled: list[tuple[str, int]] = []
+
+    def map(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> None:
+        self.ports[str(address)] = port
+
+    def __call__(self, address: Any, port: int) -> Any:
+        self.dialled.append((str(address), port))
+        target = self.ports.get(str(address))
+        if target is None:
+            # An address the test did not map: a closed loopback port, so the dial fails.
+            return endpoints.TCP4ClientEndpoint(self.reactor, "127.0.0.1", 1, timeout=5)
+        return endpoints.TCP4ClientEndpoint(self.reactor, "127.0.0.1", target, timeout=5)

@@ -1,0 +1,165 @@
+"""Wires the injector to the fake GitHub over real loopback sockets, without the proxy.
+
+A "tunnel port" per injected host stands for a granted CONNECT: whatever
+connects to it is handed to ``Injector.terminate(host, addresses)``, exactly as
+the proxy does after answering 200.  Clients reach it with curl's
+``--connect-to`` (or git's ``http.curloptResolve``), so they still send SNI and
+verify the name they asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet import defer, utils
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Factory
+from twisted.logger import globalLogPublisher
+from twisted.protocols.policies import WrappingFactory
+
+from agentsandbox.config import GITHUB_HOSTS, InjectRule, githubRules
+from agentsandbox.egress.inject import Injector, routesFor
+from agentsandbox.egress.tls import InjectionCA
+from tests.support.inject_github import (
+    FakeGitHub,
+    LoopbackDialer,
+    TestPKI,
+    documentationAddress,
+    listenTLS,
+)
+
+TOKEN = "ghu_" + "C4n4ryT0k3n" * 3 + "Zz"
+
+
+@dataclass
+class FixedToken:
+    """A token holder the test sets directly (the keeper has its own tests)."""
+
+    value: str | None = TOKEN
+
+    def token(self) -> str | None:
+        return self.value
+
+
+class Tracked(WrappingFactory):
+    """Counts a factory's open connections so cleanup can wait for every one to end."""
+
+    def __init__(self, wrapped: Any) -> None:
+        super().__init__(wrapped)
+        self._waiters: list[defer.Deferred[None]] = []
+
+    def unregisterProtocol(self, p: Any) -> None:
+        super().unregisterProtocol(p)
+        if not self.protocols:
+            waiters, self._waiters = self._waiters, []
+            for w in waiters:
+                w.callback(None)
+
+    def closeAll(self) -> defer.Deferred[None]:
+        if not self.protocols:
+            return defer.succeed(None)
+        d: defer.Deferred[None] = defer.Deferred()
+        self._waiters.append(d)
+        for p in list(self.protocols):
+            p.transport.abortConnection()
+        return d
+
+
+class _TunnelFactory(Factory):
+    def __init__(self, injector: Injector, host: str, addresses: list[Any]) -> None:
+        self.injector = injector
+        self.host = host
+        self.addresses = addresses
+
+    def buildProtocol(self, addr: Any) -> Any:
+        return self.injector.terminate(self.host, self.addresses)
+
+
+@dataclass
+class LogCapture:
+    lines: list[str] = field(default_factory=list)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        from twisted.logger import formatEvent
+
+        self.lines.append(formatEvent(event))
+
+    def start(self) -> None:
+        globalLogPublisher.addObserver(self)
+
+    def stop(self) -> None:
+        globalLogPublisher.removeObserver(self)
+
+
+class InjectHarness:
+    def __init__(
+        self,
+        reactor: Any,
+        rules: tuple[InjectRule, ...] | None = None,
+        token: FixedToken | None = None,
+        trustUpstream: bool = True,
+    ) -> None:
+        self.reactor = reactor
+        self.rules = rules or githubRules()
+        self.holder = token or FixedToken()
+        self.dir = tempfile.mkdtemp(prefix="agentsandbox-inject-")
+        self.gitRoot = os.path.join(self.dir, "git")
+        os.makedirs(self.gitRoot)
+        self.pki = TestPKI.create()
+        self.fake = FakeGitHub(token=TOKEN, gitRoot=self.gitRoot)
+        self.ports: list[IListeningPort] = []
+        hosts = [h for r in self.rules for h in r.hosts]
+        self.tracked: list[Tracked] = []
+        self.upstream = listenTLS(
+            reactor, self.track(self.fake.site()), self.pki.serverOptions(list(GITHUB_HOSTS) + hosts)
+        )
+        self.ports.append(self.upstream)
+        self.dialer = LoopbackDialer(reactor)
+        self.address = documentationAddress(10)
+        self.dialer.map(self.address, self.upstream.getHost().port)
+        self.ca = InjectionCA.create(hosts, label="test")
+        self.caFile = os.path.join(self.dir, "ca.pem")
+        with open(self.caFile, "wb") as f:
+            f.write(self.ca.pem)
+        self.injector = Injector(
+            self.ca,
+            routesFor(self.rules, lambda rule: self.holder),
+            self.dialer,
+            reactor,
+            trustRoot=self.pki.trustRoot() if trustUpstream else None,
+        )
+        self.tunnels: dict[str, int] = {}
+        for host in hosts:
+            port = reactor.listenTCP(
+                0, self.track(_TunnelFactory(self.injector, host, [self.address])), interface="127.0.0.1"
+            )
+            self.ports.append(port)
+            self.tunnels[host] = port.getHost().port
+
+    def track(self, factory: Any) -> Tracked:
+        tracked = Tracked(factory)
+        self.tracked.append(tracked)
+        return tracked
+
+    def connectTo(self, host: str) -> list[str]:
+        return ["--connect-to", f"{host}:443:127.0.0.1:{self.tunnels[host]}"]
+
+    def curl(self, *args: str, env: dict[str, str] | None = None) -> defer.Deferred[tuple[bytes, bytes, int]]:
+        """Run real curl; the caller adds --connect-to and the URL."""
+        argv = ["-sS", "--cacert", self.caFile, "--max-time", "60", *args]
+        return utils.getProcessOutputAndValue("/usr/bin/curl", argv, env=env or _cleanEnv(), reactor=self.reactor)
+
+    @defer.inlineCallbacks
+    def close(self) -> Any:
+        for port in self.ports:
+            yield port.stopListening()
+        yield self.injector.closeIdle()
+        for tracked in self.tracked:
+            yield tracked.closeAll()
+
+
+def _cleanEnv() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
