@@ -89,12 +89,10 @@ def api() -> Iterator[MockMessagesAPI]:
 @pytest.fixture(scope="module")
 def managed(world: World) -> Iterator[dict[str, Any]]:
     """The rendered drop-in, installed in an otherwise empty /etc/claude-code."""
-    for binary in _binaries().values():
-        if binary.problem is None:
-            binary.require()  # root check before touching /etc
-            break
-    else:
-        _binaries()["pinned"].require()
+    # Module fixtures come before the per-test binary: skip here, before /etc
+    # is touched, when no binary can run or this is not root.
+    usable = [b for b in _binaries().values() if b.problem is None]
+    (usable[0] if usable else _binaries()["pinned"]).require()
     with ManagedSettingsGuard(), tempLeftoversRemoved():
         world.agentsandbox("install", "--managed-dir", str(MANAGED_ROOT), "--config", str(world.config))
         rendered = json.loads(world.agentsandbox("render", "claude", "--config", str(world.config)).stdout)
