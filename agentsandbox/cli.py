@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "host": ("agentsandbox.broker.commands", "hostMain", "run a named host command: NAME [ARGS...]"),
     "cap": ("agentsandbox.broker.commands", "capMain", "run CMD in a capped scope: [--memory SIZE] [--cpu PCT] -- CMD"),
     "kubeconfig": ("agentsandbox.broker.commands", "kubeconfigMain", "write a kubeconfig for CONTEXT, print its path"),
+    "run": ("agentsandbox.run", "main", "run any command under srt with the policy: [--print] [--] CMD..."),
+    "doctor": ("agentsandbox.doctor", "main", "check that everything the policy needs is in place"),
+    "status": ("agentsandbox.doctor", "statusMain", "the service's figures: requests, proxy, tokens [--json]"),
+    "setup": ("agentsandbox.setup", "setupMain", "set up for daily use: config, user service, drop-in, doctor"),
+    "uninstall": ("agentsandbox.setup", "uninstallMain", "undo exactly what setup did"),
     "log": ("agentsandbox.audit", "logMain", "show egress decisions: [--denied] [--since 2h] [--json]"),
     "suggest": ("agentsandbox.audit", "suggestMain", "print sandbox.domains entries for recent refusals"),
 }
