@@ -14,7 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 from twisted.internet import defer, reactor, task, threads
 from twisted.trial import unittest
@@ -29,6 +29,7 @@ from tests.support.broker_support import (
     killQuietly,
     makeConfig,
     readReply,
+    readText,
     spoolNames,
     tempBase,
     until,
@@ -58,8 +59,8 @@ class _Recorder(io.RawIOBase):
 class BrokerCase(unittest.TestCase):
     """Starts a BrokerService on the real reactor over a temp spool."""
 
-    broker: dict[str, Any] = {}
-    serviceArgs: dict[str, Any] = {}
+    broker: ClassVar[dict[str, Any]] = {}
+    serviceArgs: ClassVar[dict[str, Any]] = {}
 
     def setUp(self) -> Any:
         self.base = tempBase()
@@ -359,7 +360,7 @@ class SpoolTests(BrokerCase):
         await until(lambda: os.path.exists(base + wire.OUT) and os.path.exists(mark), what="the call")
         sh.kill()
         sh.wait()
-        await until(lambda: b"term" in open(mark, "rb").read(), what="SIGTERM to the host command")
+        await until(lambda: "term" in readText(mark), what="SIGTERM to the host command")
         await until(lambda: not self.service.inFlight, what="the call to end")
         self.assertEqual(spoolNames(self.spool), [])
         self.assertEqual(self.service.stats.counts["run"], {"dropped": 1})
@@ -367,9 +368,9 @@ class SpoolTests(BrokerCase):
     @asyncTest
     async def test_sigkillFollowsWhenSigtermIsIgnored(self) -> None:
         mark = os.path.join(self.base, "mark")
-        sh, base = self._requester(Request(op="run", args=("stubborn", mark), stream=True))
-        await until(lambda: os.path.exists(mark) and open(mark).read().strip(), what="the call")
-        pid = int(open(mark).read())
+        sh, _ = self._requester(Request(op="run", args=("stubborn", mark), stream=True))
+        await until(lambda: readText(mark).strip(), what="the call")
+        pid = int(readText(mark))
         sh.kill()
         sh.wait()
         await until(lambda: not _alive(pid), what="SIGKILL after killDelay")
@@ -388,12 +389,12 @@ def _alive(pid: int) -> bool:
 class DroppedAnswerTests(BrokerCase):
     broker = RUN
     # The watcher never fires here: the final holder check alone must drop the answer.
-    serviceArgs = {"holderInterval": 3600.0}
+    serviceArgs: ClassVar[dict[str, Any]] = {"holderInterval": 3600.0}
 
     @asyncTest
     async def test_anAnswerWithoutItsRequesterIsDropped(self) -> None:
         gate = os.path.join(self.base, "gate")
-        sh, base = self._requesterFor(Request(op="run", args=("slow", gate)))
+        sh, _ = self._requesterFor(Request(op="run", args=("slow", gate)))
         await until(lambda: self.service.inFlight, what="the call to start")
         sh.kill()
         sh.wait()
@@ -591,7 +592,7 @@ class RunOpTests(BrokerCase):
 
 
 class TimeoutTests(BrokerCase):
-    broker = {
+    broker: ClassVar[dict[str, Any]] = {
         "run": {
             "hang": {
                 "argv": ["/bin/sh", "-c", "i=0; while [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done"],

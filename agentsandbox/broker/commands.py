@@ -97,6 +97,24 @@ def _run(command: str, request: Request, timeout: float | None, stream: bool = F
     return _emit(reply)
 
 
+def _ask(command: str, request: Request, timeout: float, refusedSuffix: str = "") -> wire.Reply | int:
+    """A non-streamed call after a ping; the Reply, or the exit status once reported."""
+    spool = _spool(command)
+    if spool is None:
+        return 1
+    failed = _reachable(command, spool)
+    if failed is not None:
+        return failed
+    try:
+        return client.call(request, spool, timeout)
+    except NoBroker as e:
+        _say(command, str(e))
+        return EX_UNAVAILABLE
+    except BrokerError as e:
+        _say(command, f"{e}{refusedSuffix}")
+        return 1
+
+
 # --------------------------------------------------------------------------- ask
 
 
@@ -207,22 +225,11 @@ def sshSignMain(argv: list[str]) -> int:
     if payload is None:
         _say("ssh-sign", f"the payload to sign is over {wire.SIGN_PAYLOAD_LIMIT} bytes")
         return 1
-    spool = _spool("ssh-sign")
-    if spool is None:
-        return 1
-    failed = _reachable("ssh-sign", spool)
-    if failed is not None:
-        return failed
-    try:
-        reply = client.call(
-            Request(op="sign", args=tuple(shape), input=payload, key=key), spool, SIGN_TIMEOUT
-        )
-    except NoBroker as e:
-        _say("ssh-sign", str(e))
-        return EX_UNAVAILABLE
-    except BrokerError as e:
-        _say("ssh-sign", str(e))
-        return 1
+    reply = _ask(
+        "ssh-sign", Request(op="sign", args=tuple(shape), input=payload, key=key), SIGN_TIMEOUT
+    )
+    if isinstance(reply, int):
+        return reply
     if reply.err:
         sys.stderr.buffer.write(reply.err)
         sys.stderr.flush()
@@ -284,17 +291,9 @@ def capMain(argv: list[str]) -> int:
     if not command:
         parser.error("give the command to run after --")
     request = Request(op="scope", memory=args.memory, cpu=args.cpu)
-    spool = _spool("cap")
-    if spool is None:
-        return 1
-    try:
-        reply = client.call(request, spool, SCOPE_TIMEOUT)
-    except NoBroker as e:
-        _say("cap", str(e))
-        return EX_UNAVAILABLE
-    except BrokerError as e:
-        _say("cap", f"{e}; not running {command[0]} uncapped")
-        return 1
+    reply = _ask("cap", request, SCOPE_TIMEOUT, f"; not running {command[0]} uncapped")
+    if isinstance(reply, int):
+        return reply
     unit = reply.out.decode("utf-8", "replace").strip()
     if os.environ.get("AGENTSANDBOX_CAP_VERBOSE"):
         _say("cap", f"running in {unit}")
@@ -322,17 +321,9 @@ def kubeconfigMain(argv: list[str]) -> int:
     parser.add_argument("context")
     parser.add_argument("-o", "--output", metavar="FILE", help="where to write it (mode 0600)")
     args = parser.parse_args(argv)
-    spool = _spool("kubeconfig")
-    if spool is None:
-        return 1
-    try:
-        reply = client.call(Request(op="kubeconfig", args=(args.context,)), spool, KUBECONFIG_TIMEOUT)
-    except NoBroker as e:
-        _say("kubeconfig", str(e))
-        return EX_UNAVAILABLE
-    except BrokerError as e:
-        _say("kubeconfig", str(e))
-        return 1
+    reply = _ask("kubeconfig", Request(op="kubeconfig", args=(args.context,)), KUBECONFIG_TIMEOUT)
+    if isinstance(reply, int):
+        return reply
     path = args.output
     if path is None:
         directory = os.path.join(os.environ.get("TMPDIR") or "/tmp", "agentsandbox")

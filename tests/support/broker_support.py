@@ -79,6 +79,15 @@ def readReply(path: str) -> wire.Reply | None:
         return None
 
 
+def readText(path: str) -> str:
+    """The file's text, '' while it does not exist."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def spoolNames(spool: str) -> list[str]:
     return sorted(os.listdir(spool))
 
@@ -114,7 +123,7 @@ class BrokerProcess:
 
     def __init__(self, configFile: str, env: Mapping[str, str], spool: str) -> None:
         self.spool = spool
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             agentsandboxArgv("broker", "--config", configFile),
             env=dict(env),
