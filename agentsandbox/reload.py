@@ -132,7 +132,9 @@ class ConfigWatcher(Service):
         self._notifier = notifier
 
     def _onEvent(self, _ignored: object, filepath: FilePath[Any], mask: int) -> None:
-        if self.path is not None and os.path.basename(filepath.path) == os.path.basename(self.path):
+        # Twisted reports the path as bytes whatever we watched with.
+        name = os.fsdecode(filepath.basename())
+        if self.path is not None and name == os.path.basename(self.path):
             self.schedule()
 
     def _onSignal(self, signum: int, frame: FrameType | None) -> None:

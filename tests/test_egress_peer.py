@@ -1,0 +1,104 @@
+"""Same-user peer check: the socket tables, netlink and /proc, and a real other-uid client."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import sys
+
+import pytest
+from twisted.internet.protocol import Factory
+from twisted.internet.utils import getProcessOutputAndValue
+from twisted.trial.unittest import SkipTest, TestCase
+
+from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, ownerOf, parseProcAddress
+from tests.support.egress_fixtures import CURL, Echo, FixedResolver, MappedDialer, ProxyHarness, deferredTest, listen, reactor, waitFor
+
+LITTLE = sys.byteorder == "little"
+
+
+@pytest.mark.skipif(not LITTLE, reason="the fixtures below are written in little-endian word order")
+def test_parseProcAddressWordOrder():
+    assert parseProcAddress("0100007F:1F90") == (ipaddress.ip_address("127.0.0.1"), 8080)
+    # ::1 is stored as four host-order words: the last one holds 0x00000001
+    assert parseProcAddress("00000000000000000000000001000000:0050") == (ipaddress.ip_address("::1"), 80)
+    # 2001:db8::1 -> words 20010db8, 0, 0, 00000001 each stored little-endian
+    assert parseProcAddress("B80D0120000000000000000001000000:01BB") == (ipaddress.ip_address("2001:db8::1"), 443)
+    # an IPv4-mapped client of a dual-stack listener
+    assert parseProcAddress("0000000000000000FFFF00000100007F:1F90")[0] == ipaddress.ip_address("::ffff:127.0.0.1")
+
+
+TABLE = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:0C76 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1 0000000000000000 100 0 0 10 0
+   1: 0100007F:9C40 0100007F:0C76 01 00000000:00000000 00:00000000 00000000  4242        0 2 1 0000000000000000 20 4 30 10 -1
+   2: short row
+"""
+
+
+@pytest.mark.skipif(not LITTLE, reason="little-endian fixture")
+def test_ownerFromATable(tmp_path):
+    assert ownerOf([TABLE], ("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) == 4242
+    assert ownerOf([TABLE], ("127.0.0.1", 0x9C41), ("127.0.0.1", 0x0C76)) is None
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "tcp").write_text(TABLE)
+    peers = ProcNetPeers(str(tmp_path), 1000)
+    assert peers.check(("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) == "its socket belongs to uid 4242, not 1000"
+    assert ProcNetPeers(str(tmp_path), 4242).check(("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) is None
+    assert "no socket of 127.0.0.1:1 in the socket table" == peers.check(("127.0.0.1", 1), ("127.0.0.1", 0x0C76))
+    # a procDir other than /proc never asks netlink
+    assert not SameUserPeers(str(tmp_path), 1000).viaNetlink
+
+
+def test_noSocketTable(tmp_path):
+    why = SameUserPeers(str(tmp_path)).check(("127.0.0.1", 1), ("127.0.0.1", 2))
+    assert why is not None and "no socket table" in why
+
+
+@pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
+@pytest.mark.parametrize("netlink", [True, False])
+def test_realLoopbackPair(family, host, netlink):
+    server = socket.socket(family)
+    try:
+        server.bind((host, 0))
+    except OSError:
+        pytest.skip(f"no {host} on this machine")
+    server.listen()
+    client = socket.create_connection(server.getsockname()[:2])
+    accepted, _ = server.accept()
+    try:
+        peers = SameUserPeers(useNetlink=netlink)
+        assert peers.viaNetlink is netlink
+        assert peers.check(accepted.getpeername()[:2], accepted.getsockname()[:2]) is None
+        other = SameUserPeers(uid=os.getuid() + 4242, useNetlink=netlink)
+        assert other.check(accepted.getpeername()[:2], accepted.getsockname()[:2]) == f"its socket belongs to uid {os.getuid()}, not {os.getuid() + 4242}"
+        assert "no socket of" in peers.check((host, 1), accepted.getsockname()[:2])
+        peers.close()
+    finally:
+        for s in (client, accepted, server):
+            s.close()
+
+
+class OtherUserTests(TestCase):
+    @deferredTest
+    async def test_aClientOfAnotherUidIsRefused(self):
+        if os.getuid() != 0 or not shutil.which("setpriv"):
+            raise SkipTest("needs root and setpriv to run curl as another uid")
+        echo = await listen(Factory.forProtocol(Echo))
+        self.addCleanup(echo.stopListening)
+        dialer = MappedDialer(reactor)
+        dialer.route("192.0.2.10", 80, echo.getHost().port)
+        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, peers=SameUserPeers())
+        await h.start()
+        self.addCleanup(h.stop)
+        args = ("--reuid=65534", "--regid=65534", "--clear-groups", CURL, "-sS", "--max-time", "10", "--noproxy", "", "--proxy", f"http://127.0.0.1:{h.port}", "http://echo.example.org/")
+        out, err, code = await getProcessOutputAndValue("/usr/bin/setpriv", args, env={"PATH": "/usr/bin:/bin"})
+        self.assertNotEqual(code, 0)
+        await waitFor(lambda: any(r["event"] == "peer" for r in h.records()), "the peer refusal record")
+        rec = [r for r in h.records() if r["event"] == "peer"][-1]
+        self.assertEqual(rec["reason"], f"its socket belongs to uid 65534, not {os.getuid()}")
+        # our own uid is served by the same proxy
+        out, err, code = await getProcessOutputAndValue(CURL, ("-sS", "--noproxy", "", "-o", "/dev/null", "-w", "%{http_code}", "--proxy", f"http://127.0.0.1:{h.port}", "http://example.com/"), env={"PATH": "/usr/bin:/bin"})
+        self.assertEqual(out, b"403")
