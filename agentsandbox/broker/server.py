@@ -61,6 +61,8 @@ class Stats:
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = {}
+        #: Requesters found in /proc: inside a sandbox (another mount namespace) or not.
+        self.requesters = {"sandboxed": 0, "host": 0}
 
     def count(self, op: str, outcome: str) -> None:
         per = self.counts.setdefault(op, {})
@@ -189,6 +191,7 @@ class BrokerService(service.Service):
         report: dict[str, Any] = {
             "uptime": round(self.clock.seconds() - self._started, 3),
             "requests": self.stats.counts,
+            "requesters": self.stats.requesters,
             "inFlight": len(self.inFlight),
             "spool": self.spool,
             "pid": os.getpid(),
@@ -268,6 +271,7 @@ class BrokerService(service.Service):
                     "(the requester must keep its request file open, and only it)"
                 )
             origin = await self.inThread(procfs.origin, self.procDir, pids[0], op.originKeys(plan))
+            self.stats.requesters["sandboxed" if origin.sandboxed else "host"] += 1
             reply = await self._perform(rid, op, plan, request, origin, key)
         except FileNotFoundError:
             return  # the requester gave up before we looked

@@ -155,7 +155,8 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 def killQuietly(proc: subprocess.Popen[Any]) -> None:
