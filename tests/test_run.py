@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from agentsandbox.config import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from tests.conftest import REPO
+from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 SRT_TOOLS = ("srt", "bwrap", "socat", "rg", "node")
 CANARY = "-----BEGIN OPENSSH PRIVATE KEY----- canary-7f3a\n"
@@ -44,54 +43,6 @@ def _needSrt() -> None:
     missing = [t for t in SRT_TOOLS if shutil.which(t) is None]
     if missing:
         pytest.skip(f"srt runs need {', '.join(missing)} on the PATH (.ci/install-deps installs them)")
-
-
-def _freePort() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class StandInProxy:
-    """Accepts on 127.0.0.1:port, records each connection's first line, answers 403."""
-
-    def __init__(self, port: int) -> None:
-        self.lines: list[str] = []
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.sock.listen(16)
-        self.sock.settimeout(0.2)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\n" not in data and len(data) < 8192:
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        data += chunk
-                    if data:
-                        self.lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
-                        conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 @dataclass
@@ -120,21 +71,11 @@ class Host:
 
     def startService(self) -> None:
         self.proxy = StandInProxy(self.port)
-        self.broker = subprocess.Popen(
-            [sys.executable, "-m", "agentsandbox", "broker"],
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert self.broker.stdout is not None
-        line = self.broker.stdout.readline()
-        assert line.startswith("serving"), line
+        self.broker = startBroker(self.env)
 
     def stopService(self) -> None:
         if self.broker is not None:
-            self.broker.terminate()
-            self.broker.wait(10)
+            stopBroker(self.broker)
             self.broker = None
         if self.proxy is not None:
             self.proxy.close()
@@ -171,7 +112,7 @@ def _makeHost(base: Path) -> Host:
         "LANG": "C.UTF-8",
         "FOO_UNLISTED": "dropped",
     }
-    host = Host(base=base, home=home, work=work, env=env, port=_freePort())
+    host = Host(base=base, home=home, work=work, env=env, port=freePort())
     host.writeConfig()
     return host
 
@@ -271,7 +212,7 @@ def test_network_goes_only_through_the_proxy(served: Host) -> None:
         pytest.skip("curl is not installed (.ci/install-deps installs it)")
     assert served.proxy is not None
     # A host listener the command tries to reach directly, bypassing the proxy.
-    direct = StandInProxy(_freePort())
+    direct = StandInProxy(freePort())
     try:
         directPort = direct.sock.getsockname()[1]
         script = (

@@ -1,0 +1,636 @@
+"""``agentsandbox doctor`` and ``agentsandbox status``.
+
+``doctor`` checks everything the policy needs to be enforced, one small function
+per check, each taking what it looks at (paths, a command runner, a probe) so the
+tests can drive it both ways.  Every failure says what fixes it.  Exit status 0
+when no check failed, 1 otherwise; a *warning* (Claude Code too old for
+``onFailure``) or an *unknown* (token state the service did not report) does not
+fail the run.
+
+``status`` shows the running service's figures from the broker's ``status`` op:
+requests per op and outcome, uptime, and whatever the service adds (proxy
+figures, token state), as a table or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentsandbox.config import Config, ConfigError, InjectRule, load
+from agentsandbox.paths import Paths
+from agentsandbox.policy import Policy
+
+OK = "ok"
+FAIL = "FAIL"
+WARN = "warn"
+UNKNOWN = "unknown"
+
+#: The first Claude Code release known to honour a hook's ``onFailure: "block"``.
+ON_FAILURE_VERSION = (2, 1, 332)
+
+#: How long the broker gets to answer before doctor says it does not.
+BROKER_TIMEOUT = 3.0
+
+SERVICE_FIX = (
+    "start the service: `systemctl --user enable --now agentsandbox` (after `agentsandbox "
+    "setup`), or `agentsandbox serve` in a terminal"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: ``status`` is ok, FAIL, warn or unknown; ``fix`` says what to do."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
+
+    def asDict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix}
+
+
+#: Runs argv and returns the completed process (stdout and stderr as text).
+Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
+
+
+def systemRunner(
+    environ: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> Runner:
+    """A runner for real programs; a missing program is exit status 127, a hang 124."""
+    env = dict(os.environ if environ is None else environ)
+
+    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(
+                list(argv), capture_output=True, text=True, env=env, timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except FileNotFoundError:
+            return subprocess.CompletedProcess(list(argv), 127, "", f"{argv[0]}: not found")
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(list(argv), 124, "", f"{argv[0]}: no answer in {timeout:g}s")
+        except OSError as e:
+            return subprocess.CompletedProcess(list(argv), 126, "", f"{argv[0]}: {e.strerror or e}")
+
+    return run
+
+
+def _firstLine(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _why(p: subprocess.CompletedProcess[str]) -> str:
+    said = _firstLine(p.stderr) or _firstLine(p.stdout)
+    return f"exit status {p.returncode}" + (f": {said}" if said else "")
+
+
+# --------------------------------------------------------------------------- the sandbox tools
+
+#: name -> (program, version argv, what installs it)
+TOOLS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "bubblewrap": ("bwrap", ("--version",), "apt-get install bubblewrap"),
+    "socat": ("socat", ("-V",), "apt-get install socat"),
+    "ripgrep": ("rg", ("--version",), "apt-get install ripgrep"),
+    "srt": ("srt", ("--version",), "npm install -g @anthropic-ai/sandbox-runtime"),
+}
+
+
+def checkTool(name: str, which: Callable[[str], str | None], runner: Runner) -> Check:
+    """``name`` (a TOOLS key) is on the PATH and answers its version flag."""
+    program, versionArgs, fix = TOOLS[name]
+    found = which(program)
+    if found is None:
+        return Check(name, FAIL, f"{program} is not on the PATH", fix)
+    p = runner([found, *versionArgs])
+    if p.returncode != 0:
+        return Check(name, FAIL, f"{found} does not run ({_why(p)})", f"reinstall it: {fix}")
+    version = _firstLine(p.stdout) or _firstLine(p.stderr)
+    return Check(name, OK, f"{found}: {version}")
+
+
+BWRAP_FIX = (
+    "bubblewrap needs unprivileged user namespaces: check `sysctl kernel.unprivileged_userns_clone` "
+    "and, on Ubuntu 24.04, `kernel.apparmor_restrict_unprivileged_userns`; inside a container, "
+    "its seccomp/AppArmor profile must allow them"
+)
+
+
+def checkBwrapWorks(bwrap: str | None, runner: Runner) -> Check:
+    """bubblewrap can build a sandbox like srt's (new namespaces, read-only root)."""
+    if bwrap is None:
+        return Check("bubblewrap works", FAIL, "bwrap is not on the PATH", TOOLS["bubblewrap"][2])
+    p = runner([bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-all", "--die-with-parent", "true"])
+    if p.returncode != 0:
+        return Check("bubblewrap works", FAIL, f"a test sandbox failed ({_why(p)})", BWRAP_FIX)
+    return Check("bubblewrap works", OK, "a test sandbox ran `true`")
+
+
+#: The smallest settings srt accepts: every list it requires, nothing allowed.
+MINIMAL_SRT_SETTINGS: dict[str, dict[str, list[str]]] = {
+    "network": {"allowedDomains": [], "deniedDomains": []},
+    "filesystem": {"denyRead": [], "allowWrite": [], "denyWrite": []},
+}
+
+
+def checkSrtWorks(srt: str | None, runner: Runner, scratch: str | None = None) -> Check:
+    """``srt -c true`` runs under a minimal settings file."""
+    if srt is None:
+        return Check("srt works", FAIL, "srt is not on the PATH", TOOLS["srt"][2])
+    fd, path = tempfile.mkstemp(prefix="doctor-srt-", suffix=".json", dir=scratch)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(MINIMAL_SRT_SETTINGS, f)
+        p = runner([srt, "--settings", path, "-c", "true"])
+    finally:
+        os.unlink(path)
+    if p.returncode != 0:
+        return Check(
+            "srt works",
+            FAIL,
+            f"`srt -c true` failed ({_why(p)})",
+            "run `srt --debug -c true` to see why; it needs bwrap, socat and rg on the PATH, "
+            "and node to run",
+        )
+    return Check("srt works", OK, "`srt -c true` ran in a sandbox")
+
+
+# --------------------------------------------------------------------------- Claude Code
+
+
+def checkConfig(configPath: str | None, environ: Mapping[str, str]) -> tuple[Check, Config | None]:
+    try:
+        config = load(configPath, environ)
+    except ConfigError as e:
+        return Check("config", FAIL, str(e), f"fix {e.source} (key {e.key or '-'})"), None
+    return Check("config", OK, config.source), config
+
+
+def checkDropIn(policy: Policy, managed: str | None = None) -> Check:
+    """The Claude Code drop-in is installed and is what the config renders now."""
+    from agentsandbox.claude import drift, dropInPath
+
+    why = drift(policy, managed)
+    if why is not None:
+        return Check(
+            "Claude Code drop-in",
+            FAIL,
+            why,
+            "`agentsandbox install` (it prints the root command when it cannot write there)",
+        )
+    return Check("Claude Code drop-in", OK, f"{dropInPath(managed)} is current")
+
+
+def checkServerManaged(claudeDir: str) -> Check:
+    """No server-managed settings that would replace the managed file tier."""
+    remote = os.path.join(claudeDir, "remote-settings.json")
+    if os.path.lexists(remote):
+        return Check(
+            "server-managed settings",
+            FAIL,
+            f"{remote} exists: Claude Code then ignores /etc/claude-code (drop-in included), "
+            "so neither the sandbox settings nor the hooks apply",
+            "ask your organisation's admin to carry the agentsandbox settings in the server-managed "
+            'settings (or, from Claude Code 2.1.332, set managedSourcesBehavior "merge" there); '
+            "until then use `agentsandbox run` for other agents only",
+        )
+    return Check("server-managed settings", OK, f"none ({remote} does not exist)")
+
+
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+
+
+def parseVersion(text: str) -> tuple[int, int, int] | None:
+    m = _VERSION.search(text)
+    if m is None:
+        return None
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+def checkClaude(claude: str | None, runner: Runner) -> Check:
+    """Claude Code's version, and whether it honours the hooks' ``onFailure: "block"``."""
+    name = "Claude Code"
+    if claude is None:
+        return Check(name, UNKNOWN, "claude is not on the PATH; only `agentsandbox run` applies")
+    p = runner([claude, "--version"])
+    version = parseVersion(p.stdout) if p.returncode == 0 else None
+    if version is None:
+        return Check(name, FAIL, f"`claude --version` gave no version ({_why(p)})", "reinstall Claude Code")
+    shown = ".".join(map(str, version))
+    if version >= ON_FAILURE_VERSION:
+        return Check(name, OK, f"{shown}: honours onFailure \"block\" (a failing hook blocks the tool)")
+    need = ".".join(map(str, ON_FAILURE_VERSION))
+    return Check(
+        name,
+        WARN,
+        f"{shown} ignores onFailure: a hook that crashes or times out lets the tool run "
+        "(agentsandbox's hook denies on its own errors, so only a killed or hung hook is exposed)",
+        f"upgrade Claude Code to {need} or later",
+    )
+
+
+# --------------------------------------------------------------------------- the service
+
+
+def askBroker(spool: str, op: str, timeout: float = BROKER_TIMEOUT) -> bytes:
+    """The broker's answer to ``op`` (its output).  Raises BrokerError or OSError."""
+    from agentsandbox.broker import client
+    from agentsandbox.broker.spool import Request
+
+    return client.call(Request(op=op), spool, timeout).out
+
+
+def checkBroker(
+    spool: str, ask: Callable[[str, str], bytes] = askBroker
+) -> tuple[Check, dict[str, Any] | None]:
+    """The broker answers a ping; its ``status`` reply (if it parses) comes back too."""
+    from agentsandbox.broker.client import BrokerError
+
+    try:
+        ask(spool, "ping")
+    except (BrokerError, OSError) as e:
+        return Check("broker", FAIL, str(e), SERVICE_FIX), None
+    try:
+        report = json.loads(ask(spool, "status"))
+    except (BrokerError, OSError, ValueError) as e:
+        return Check("broker", OK, f"answers a ping in {spool} (status: {e})"), None
+    if not isinstance(report, dict):
+        return Check("broker", OK, f"answers a ping in {spool}"), None
+    return Check("broker", OK, f"answers in {spool} (pid {report.get('pid', '?')})"), report
+
+
+def connectTCP(port: int, timeout: float = 2.0) -> str | None:
+    """None when 127.0.0.1:``port`` accepts a connection, else why not (no byte is sent)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def checkProxy(port: int, connect: Callable[[int], str | None] = connectTCP) -> Check:
+    why = connect(port)
+    if why is not None:
+        return Check(
+            "egress proxy", FAIL, f"nothing accepts on 127.0.0.1:{port} (proxy.port): {why}", SERVICE_FIX
+        )
+    return Check("egress proxy", OK, f"accepts on 127.0.0.1:{port}")
+
+
+_LISTEN = "0A"
+
+
+def listenerUids(port: int, procDir: str = "/proc") -> set[int]:
+    """The uids owning a listening TCP socket on ``port`` (any local address)."""
+    uids: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(os.path.join(procDir, "net", table), encoding="ascii") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8 or fields[3] != _LISTEN:
+                continue
+            try:
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    uids.add(int(fields[7]))
+            except (IndexError, ValueError):
+                continue
+    return uids
+
+
+def checkSameUser(
+    port: int, brokerPid: int | None, uid: int | None = None, procDir: str = "/proc"
+) -> Check:
+    """The proxy's listening socket and the broker process belong to this user."""
+    me = os.getuid() if uid is None else uid
+    name = "same user"
+    owners = listenerUids(port, procDir)
+    problems = []
+    if not owners:
+        problems.append(f"no listening socket on port {port} in {procDir}/net/tcp*")
+    elif owners != {me}:
+        problems.append(f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me}")
+    if brokerPid is None:
+        problems.append("the broker did not say its pid")
+    else:
+        try:
+            owner = os.stat(os.path.join(procDir, str(brokerPid))).st_uid
+        except OSError:
+            problems.append(f"the broker's process {brokerPid} is not in {procDir}")
+        else:
+            if owner != me:
+                problems.append(f"the broker (pid {brokerPid}) runs as uid {owner}, not {me}")
+    if problems:
+        return Check(
+            name,
+            FAIL,
+            "; ".join(problems),
+            "run the service as the user whose sessions it serves (a user unit: "
+            "`agentsandbox setup`); another user's proxy refuses this user's connections",
+        )
+    return Check(name, OK, f"the proxy and the broker run as uid {me}")
+
+
+def _tokenFix(rule: InjectRule) -> str:
+    source = rule.token
+    if source.command is not None:
+        hint = " (for gh: `gh auth login`)" if os.path.basename(source.command[0]) == "gh" else ""
+        return f"make `{' '.join(source.command)}` print the token{hint}; the service retries"
+    if source.file is not None:
+        return f"put the token in {source.file} (mode 0600)"
+    return (
+        f"give the service ${source.env}: `systemctl --user set-environment {source.env}=…` "
+        "then restart it, or set it where `agentsandbox serve` runs"
+    )
+
+
+def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -> list[Check]:
+    """A token is present for every inject rule, by the service's own account."""
+    checks: list[Check] = []
+    tokens = report.get("tokens") if report is not None else None
+    for rule in rules:
+        name = "token for " + ", ".join(rule.hosts)
+        if not isinstance(tokens, list):
+            checks.append(
+                Check(name, UNKNOWN, "the service did not report token state "
+                      + ("(it is not answering)" if report is None else "(its status carries none)"))
+            )
+            continue
+        entry = next(
+            (
+                t
+                for t in tokens
+                if isinstance(t, dict) and set(t.get("hosts") or ()) & set(rule.hosts)
+            ),
+            None,
+        )
+        if entry is None:
+            checks.append(Check(name, UNKNOWN, "the service reports no keeper for these hosts"))
+        elif entry.get("present"):
+            checks.append(Check(name, OK, f"present ({rule.token.describe()})"))
+        else:
+            error = entry.get("lastError") or "not fetched yet"
+            checks.append(
+                Check(name, FAIL, f"no token from {rule.token.describe()}: {error}", _tokenFix(rule))
+            )
+    return checks
+
+
+def checkBundle(egressDir: str | None) -> Check:
+    """The CA bundle sandboxed programs trust (system roots + the injection CA) is readable."""
+    name = "CA bundle"
+    if egressDir is None:
+        return Check(
+            name,
+            FAIL,
+            "no runtime dir ($XDG_RUNTIME_DIR is not set), so there is no egress dir",
+            "log in through a session that sets XDG_RUNTIME_DIR (systemd-logind), or set it",
+        )
+    bundle = os.path.join(egressDir, "bundle.pem")
+    try:
+        with open(bundle, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        return Check(
+            name,
+            FAIL,
+            f"cannot read {bundle}: {e.strerror or e}",
+            "the service writes it when it starts: " + SERVICE_FIX,
+        )
+    if b"-----BEGIN CERTIFICATE-----" not in head:
+        return Check(name, FAIL, f"{bundle} holds no certificate", "restart the service; it rewrites the bundle")
+    return Check(name, OK, f"{bundle} is readable")
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+@dataclass
+class Inputs:
+    """Everything doctor looks at; the defaults are this machine."""
+
+    environ: Mapping[str, str]
+    runner: Runner
+    which: Callable[[str], str | None]
+    managedDir: str | None = None
+    procDir: str = "/proc"
+    ask: Callable[[str, str], bytes] = askBroker
+    connect: Callable[[int], str | None] = connectTCP
+
+    @classmethod
+    def system(cls, environ: Mapping[str, str] | None = None) -> Inputs:
+        env = dict(os.environ if environ is None else environ)
+        path = env.get("PATH")
+        return cls(
+            environ=env,
+            runner=systemRunner(env),
+            which=lambda name: shutil.which(name, path=path),
+        )
+
+
+def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
+    checks: list[Check] = []
+    for name in TOOLS:
+        checks.append(checkTool(name, inputs.which, inputs.runner))
+    checks.append(checkBwrapWorks(inputs.which("bwrap"), inputs.runner))
+    checks.append(checkSrtWorks(inputs.which("srt"), inputs.runner))
+    configCheck, config = checkConfig(configPath, inputs.environ)
+    checks.append(configCheck)
+    paths = Paths.fromEnvironment(inputs.environ)
+    if config is not None:
+        policy = Policy.fromConfig(config, inputs.environ)
+        checks.append(checkDropIn(policy, inputs.managedDir))
+    checks.append(checkServerManaged(paths.claudeDir))
+    if config is not None:
+        brokerCheck, report = checkBroker(config.broker.spool, inputs.ask)
+        checks.append(brokerCheck)
+        proxyCheck = checkProxy(config.proxy.port, inputs.connect)
+        checks.append(proxyCheck)
+        if not brokerCheck.failed and not proxyCheck.failed:
+            pid = report.get("pid") if report is not None else None
+            checks.append(
+                checkSameUser(config.proxy.port, pid if isinstance(pid, int) else None, procDir=inputs.procDir)
+            )
+        checks.extend(checkTokens(config.inject, report))
+        checks.append(checkBundle(paths.egressDir))
+    checks.append(checkClaude(inputs.which("claude"), inputs.runner))
+    return checks
+
+
+def report(checks: Sequence[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<7} {c.name.ljust(width)}  {c.detail}")
+        if c.fix and c.status != OK:
+            lines.append(f"{'':<7} {''.ljust(width)}  fix: {c.fix}")
+    failed = sum(c.failed for c in checks)
+    lines.append("")
+    lines.append(
+        "all checks passed" if not failed else f"{failed} check{'s' if failed > 1 else ''} failed"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentsandbox doctor",
+        description="Check that everything the policy needs is in place: the sandbox tools, "
+        "the Claude Code drop-in, the service, the tokens, the CA bundle, Claude Code's "
+        "version.  Exit status 0 when no check failed, 1 otherwise.",
+    )
+    parser.add_argument("--config", help="config file (default: the usual lookup)")
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument("--managed-dir", help="Claude Code's managed-settings root (default: the system one)")
+    args = parser.parse_args(argv)
+    inputs = Inputs.system()
+    inputs.managedDir = args.managed_dir
+    checks = diagnose(args.config, inputs)
+    if args.json:
+        print(json.dumps([c.asDict() for c in checks], indent=2))
+    else:
+        sys.stdout.write(report(checks))
+    return 1 if any(c.failed for c in checks) else 0
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True)
+
+
+def statusTable(data: Mapping[str, Any]) -> str:
+    """The broker's ``status`` reply as a readable table."""
+    lines: list[str] = []
+    uptime = data.get("uptime")
+    head = [f"pid {data.get('pid', '?')}"]
+    if isinstance(uptime, int | float):
+        head.append(f"up {_duration(uptime)}")
+    if "inFlight" in data:
+        head.append(f"{data['inFlight']} in flight")
+    lines.append("service   " + ", ".join(head))
+    if "spool" in data:
+        lines.append(f"spool     {data['spool']}")
+    requests = data.get("requests")
+    if isinstance(requests, dict):
+        outcomes = sorted({o for per in requests.values() if isinstance(per, dict) for o in per})
+        lines.append("")
+        if not requests:
+            lines.append("requests  none yet")
+        else:
+            width = max(len("op"), *(len(op) for op in requests))
+            lines.append("requests  " + "op".ljust(width) + "".join(f"  {o:>8}" for o in outcomes))
+            for op in sorted(requests):
+                per = requests[op] if isinstance(requests[op], dict) else {}
+                lines.append(
+                    "          " + op.ljust(width) + "".join(f"  {per.get(o, 0):>8}" for o in outcomes)
+                )
+    proxy = data.get("proxy")
+    if isinstance(proxy, dict):
+        lines.append("")
+        width = max((len(k) for k in proxy), default=0)
+        for i, key in enumerate(sorted(proxy)):
+            lines.append(("proxy     " if i == 0 else "          ") + f"{key.ljust(width)}  {_scalar(proxy[key])}")
+    tokens = data.get("tokens")
+    if isinstance(tokens, list):
+        lines.append("")
+        if not tokens:
+            lines.append("tokens    no inject rules")
+        for i, t in enumerate(tokens):
+            lines.append(("tokens    " if i == 0 else "          ") + _describeToken(t))
+    known = {"pid", "uptime", "inFlight", "spool", "requests", "proxy", "tokens"}
+    rest = {k: v for k, v in data.items() if k not in known}
+    if rest:
+        lines.append("")
+        width = max(len(k) for k in rest)
+        for key in sorted(rest):
+            lines.append(f"{key.ljust(width)}  {_scalar(rest[key])}")
+    return "\n".join(lines) + "\n"
+
+
+def _describeToken(t: Any) -> str:
+    if not isinstance(t, dict):
+        return _scalar(t)
+    hosts = ", ".join(t.get("hosts") or ()) or "no host"
+    state = "present" if t.get("present") else "MISSING"
+    age = t.get("age")
+    if t.get("present") and isinstance(age, int | float):
+        state += f", fetched {_duration(age)} ago"
+    parts = [f"{hosts}: {state}"]
+    if t.get("source"):
+        parts.append(f"from {t['source']}")
+    if t.get("lastError"):
+        parts.append(f"last error: {t['lastError']}")
+    return "; ".join(parts)
+
+
+def statusMain(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentsandbox status",
+        description="Show the running service's figures (the broker's status op): requests "
+        "per op, uptime, proxy figures and token state.",
+    )
+    parser.add_argument("--config", help="config file (default: the usual lookup)")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = parser.parse_args(argv)
+    from agentsandbox.broker.client import BrokerError
+
+    try:
+        config = load(args.config)
+    except ConfigError as e:
+        print(f"agentsandbox status: {e}", file=sys.stderr)
+        return 2
+    try:
+        raw = askBroker(config.broker.spool, "status")
+        data = json.loads(raw)
+    except (BrokerError, OSError) as e:
+        print(f"agentsandbox status: {e}", file=sys.stderr)
+        print(f"agentsandbox status: fix: {SERVICE_FIX}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"agentsandbox status: the broker's status reply is not JSON: {e}", file=sys.stderr)
+        return 1
+    if not isinstance(data, dict):
+        print("agentsandbox status: the broker's status reply is not a JSON object", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(statusTable(data))
+    return 0
+

@@ -1,0 +1,461 @@
+"""``agentsandbox doctor`` and ``status``: every check driven to pass and to fail.
+
+The checks take their inputs (a runner, a lookup, paths, probes), so each is fed
+real programs (the installed bwrap, srt, claude; small scripts standing in for
+broken ones), a real broker process and real loopback sockets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentsandbox import claude, doctor
+from tests.conftest import REPO, User
+from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
+
+EXE = "/usr/bin/agentsandbox"
+
+
+def script(directory: Path, name: str, body: str) -> str:
+    """An executable shell script standing in for a program (a broken one, an old one)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+RUN = doctor.systemRunner()
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name)
+
+
+def nowhere(name: str) -> str | None:
+    return None
+
+
+# --------------------------------------------------------------------------- the sandbox tools
+
+
+@pytest.mark.parametrize("name", sorted(doctor.TOOLS))
+def test_a_tool_on_the_path_that_answers_passes(name: str) -> None:
+    program = doctor.TOOLS[name][0]
+    if shutil.which(program) is None:
+        pytest.skip(f"{program} is not installed (.ci/install-deps installs it)")
+    c = doctor.checkTool(name, which, RUN)
+    assert c.status == doctor.OK, c
+    assert c.detail.startswith(shutil.which(program) or "")
+
+
+@pytest.mark.parametrize("name", sorted(doctor.TOOLS))
+def test_a_missing_tool_fails_with_its_install_command(name: str) -> None:
+    c = doctor.checkTool(name, nowhere, RUN)
+    assert c.status == doctor.FAIL
+    assert f"{doctor.TOOLS[name][0]} is not on the PATH" in c.detail
+    assert c.fix == doctor.TOOLS[name][2]
+
+
+def test_a_tool_that_does_not_run_fails(tmp_path: Path) -> None:
+    broken = script(tmp_path, "rg", 'echo "rg: error while loading shared libraries" >&2; exit 127')
+    c = doctor.checkTool("ripgrep", lambda n: broken, RUN)
+    assert c.status == doctor.FAIL
+    assert "does not run (exit status 127: rg: error while loading shared libraries)" in c.detail
+    assert c.fix is not None and "apt-get install ripgrep" in c.fix
+
+
+def test_bubblewrap_works_here_and_a_failing_one_names_user_namespaces(tmp_path: Path) -> None:
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("bwrap is not installed (.ci/install-deps installs bubblewrap)")
+    assert doctor.checkBwrapWorks(real, RUN).status == doctor.OK
+    broken = script(tmp_path, "bwrap", 'echo "bwrap: setting up uid map: Permission denied" >&2; exit 1')
+    c = doctor.checkBwrapWorks(broken, RUN)
+    assert c.status == doctor.FAIL
+    assert "setting up uid map: Permission denied" in c.detail
+    assert c.fix == doctor.BWRAP_FIX
+    assert doctor.checkBwrapWorks(None, RUN).status == doctor.FAIL
+
+
+def test_srt_works_here_and_a_failing_one_fails(tmp_path: Path) -> None:
+    real = shutil.which("srt")
+    if real is None or shutil.which("node") is None:
+        pytest.skip("srt is not installed (.ci/install-deps installs it)")
+    assert doctor.checkSrtWorks(real, RUN).status == doctor.OK
+    broken = script(tmp_path, "srt", 'echo "Error: bwrap not found" >&2; exit 1')
+    c = doctor.checkSrtWorks(broken, RUN, scratch=str(tmp_path))
+    assert c.status == doctor.FAIL and "Error: bwrap not found" in c.detail
+    assert c.fix is not None and "srt --debug -c true" in c.fix
+    assert list(tmp_path.glob("doctor-srt-*")) == []  # the settings file is gone
+    assert doctor.checkSrtWorks(None, RUN).status == doctor.FAIL
+
+
+def test_srt_gets_a_settings_file_it_accepts(tmp_path: Path) -> None:
+    seen: list[dict[str, object]] = []
+
+    def recording(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        seen.append(json.loads(Path(argv[2]).read_text()))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    assert doctor.checkSrtWorks("/x/srt", recording).status == doctor.OK  # type: ignore[arg-type]
+    assert seen == [doctor.MINIMAL_SRT_SETTINGS]
+
+
+# --------------------------------------------------------------------------- Claude Code
+
+
+def test_the_drop_in_installed_current_and_drifted(user: User, tmp_path: Path) -> None:
+    managed = str(tmp_path / "managed")
+    policy = user.policy()
+    c = doctor.checkDropIn(policy, managed)
+    assert c.status == doctor.FAIL and "is not installed" in c.detail
+    assert c.fix is not None and "agentsandbox install" in c.fix
+    os.makedirs(managed)
+    claude.install(policy, managed)
+    assert doctor.checkDropIn(policy, managed).status == doctor.OK
+    changed = user.policy('[sandbox]\nread = ["~/elsewhere"]\n')
+    c = doctor.checkDropIn(changed, managed)
+    assert c.status == doctor.FAIL and "differs from what the current config renders" in c.detail
+
+
+def test_server_managed_settings_replace_the_file_tier(user: User) -> None:
+    claudeDir = str(user.home / ".claude")
+    assert doctor.checkServerManaged(claudeDir).status == doctor.OK
+    (user.home / ".claude" / "remote-settings.json").write_text("{}")
+    c = doctor.checkServerManaged(claudeDir)
+    assert c.status == doctor.FAIL
+    assert "ignores /etc/claude-code" in c.detail
+    assert c.fix is not None and "server-managed settings" in c.fix
+
+
+@pytest.mark.parametrize(
+    ("printed", "status"),
+    [
+        ("2.1.197 (Claude Code)", doctor.WARN),
+        ("2.1.331 (Claude Code)", doctor.WARN),
+        ("2.1.332 (Claude Code)", doctor.OK),
+        ("2.2.0 (Claude Code)", doctor.OK),
+        ("10.0.1 (Claude Code)", doctor.OK),
+    ],
+)
+def test_claude_code_version_and_on_failure(tmp_path: Path, printed: str, status: str) -> None:
+    fake = script(tmp_path, "claude", f'echo "{printed}"')
+    c = doctor.checkClaude(fake, RUN)
+    assert c.status == status, c
+    assert c.detail.startswith(printed.split(" ")[0])
+    if status == doctor.WARN:
+        assert c.fix == "upgrade Claude Code to 2.1.332 or later"
+
+
+def test_claude_code_missing_or_broken(tmp_path: Path) -> None:
+    assert doctor.checkClaude(None, RUN).status == doctor.UNKNOWN
+    broken = script(tmp_path, "claude", "echo 'segfault' >&2; exit 139")
+    c = doctor.checkClaude(broken, RUN)
+    assert c.status == doctor.FAIL and "exit status 139: segfault" in c.detail
+    garbage = script(tmp_path, "claude2", "echo 'no version here'")
+    assert doctor.checkClaude(garbage, RUN).status == doctor.FAIL
+
+
+def test_the_installed_claude_code_is_recognised() -> None:
+    real = shutil.which("claude")
+    if real is None:
+        pytest.skip("Claude Code is not installed (.ci/install-claude installs it)")
+    c = doctor.checkClaude(real, RUN)
+    assert c.status in (doctor.OK, doctor.WARN), c
+
+
+# --------------------------------------------------------------------------- the service
+
+
+@pytest.fixture
+def broker(user: User) -> Iterator[str]:
+    """A real broker for the fixture user; yields its spool."""
+    env = dict(user.env, PYTHONPATH=str(REPO))
+    process = startBroker(env)
+    try:
+        yield str(user.home / ".local/state/agentsandbox/spool")
+    finally:
+        stopBroker(process)
+
+
+def test_a_broker_that_answers_passes_and_reports_its_figures(broker: str) -> None:
+    c, report = doctor.checkBroker(broker)
+    assert c.status == doctor.OK, c
+    assert report is not None and isinstance(report["pid"], int)
+    assert f"pid {report['pid']}" in c.detail
+
+
+def test_no_broker_fails_with_the_fix(user: User) -> None:
+    spool = str(user.home / ".local/state/agentsandbox/spool")
+    c, report = doctor.checkBroker(spool, lambda s, op: doctor.askBroker(s, op, timeout=0.3))
+    assert c.status == doctor.FAIL and report is None
+    assert "no agentsandbox broker answered" in c.detail
+    assert c.fix == doctor.SERVICE_FIX
+
+
+def test_the_proxy_port_accepting_or_not() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert doctor.checkProxy(port).status == doctor.OK
+    c = doctor.checkProxy(port)
+    assert c.status == doctor.FAIL
+    assert f"127.0.0.1:{port} (proxy.port)" in c.detail and c.fix == doctor.SERVICE_FIX
+
+
+def test_same_user_for_the_proxy_listener_and_the_broker() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert doctor.listenerUids(port) == {os.getuid()}
+        assert doctor.checkSameUser(port, os.getpid()).status == doctor.OK
+        other = os.getuid() + 4242
+        c = doctor.checkSameUser(port, os.getpid(), uid=other)
+        assert c.status == doctor.FAIL
+        assert f"port {port} is held by uid {os.getuid()}, not {other}" in c.detail
+        assert f"runs as uid {os.getuid()}, not {other}" in c.detail
+    c = doctor.checkSameUser(port, None)
+    assert c.status == doctor.FAIL
+    assert "no listening socket" in c.detail and "did not say its pid" in c.detail
+
+
+def test_same_user_reads_a_socket_table(tmp_path: Path) -> None:
+    net = tmp_path / "net"
+    net.mkdir()
+    (tmp_path / "77").mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    (net / "tcp").write_text(
+        header
+        + "   0: 0100007F:0C76 00000000:0000 0A 00000000:00000000 00:00000000 00000000   999        0 1\n"
+        + "   1: 0100007F:0C76 0100007F:9999 01 00000000:00000000 00:00000000 00000000  1000        0 2\n"
+    )
+    (net / "tcp6").write_text(header)
+    assert doctor.listenerUids(0x0C76, str(tmp_path)) == {999}
+    c = doctor.checkSameUser(0x0C76, 77, uid=999, procDir=str(tmp_path))
+    assert c.status == (doctor.OK if os.stat(tmp_path / "77").st_uid == 999 else doctor.FAIL)
+    c = doctor.checkSameUser(0x0C76, 78, uid=1000, procDir=str(tmp_path))
+    assert "held by uid 999, not 1000" in c.detail and "process 78 is not in" in c.detail
+
+
+def test_tokens_from_the_service_report(user: User) -> None:
+    rules = user.config(
+        '[[inject]]\nhosts = ["github.com", "api.github.com"]\nformat = "token {token}"\n'
+        'token_command = ["gh", "auth", "token"]\n\n'
+        '[[inject]]\nhosts = ["api.example.org"]\nformat = "Bearer {token}"\ntoken_env = "EXAMPLE_TOKEN"\n\n'
+        '[[inject]]\nhosts = ["files.example.net"]\nformat = "Bearer {token}"\ntoken_file = "~/.example-token"\n'
+    ).inject
+    unknown = doctor.checkTokens(rules, None)
+    assert [c.status for c in unknown] == [doctor.UNKNOWN] * 3
+    assert "not answering" in unknown[0].detail
+    assert [c.status for c in doctor.checkTokens(rules, {"pid": 1})] == [doctor.UNKNOWN] * 3
+    report = {
+        "tokens": [
+            {"source": "command gh auth token", "hosts": ["github.com", "api.github.com"], "present": True, "age": 3.0},
+            {"source": "environment variable EXAMPLE_TOKEN", "hosts": ["api.example.org"], "present": False,
+             "lastError": "EXAMPLE_TOKEN is not set", "failures": 2},
+            {"source": "file", "hosts": ["files.example.net"], "present": False, "lastError": None},
+        ]
+    }
+    checks = doctor.checkTokens(rules, report)
+    assert [c.status for c in checks] == [doctor.OK, doctor.FAIL, doctor.FAIL]
+    assert checks[0].name == "token for github.com, api.github.com"
+    assert "EXAMPLE_TOKEN is not set" in checks[1].detail
+    assert checks[1].fix is not None and "systemctl --user set-environment EXAMPLE_TOKEN" in checks[1].fix
+    assert "not fetched yet" in checks[2].detail
+    assert checks[2].fix == f"put the token in {user.home}/.example-token (mode 0600)"
+    failing = {"tokens": [{"hosts": ["github.com"], "present": False, "lastError": "gh: not logged in"}]}
+    gh = doctor.checkTokens(rules[:1], failing)[0]
+    assert gh.status == doctor.FAIL and gh.fix is not None and "gh auth login" in gh.fix
+    assert doctor.checkTokens(rules[:1], {"tokens": []})[0].status == doctor.UNKNOWN
+
+
+def _certificatePEM() -> bytes:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "doctor test CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_the_ca_bundle(tmp_path: Path) -> None:
+    assert doctor.checkBundle(None).status == doctor.FAIL
+    egress = tmp_path / "egress"
+    c = doctor.checkBundle(str(egress))
+    assert c.status == doctor.FAIL and "No such file" in c.detail
+    egress.mkdir()
+    (egress / "bundle.pem").write_bytes(b"not a certificate\n")
+    assert "holds no certificate" in doctor.checkBundle(str(egress)).detail
+    (egress / "bundle.pem").write_bytes(_certificatePEM())
+    assert doctor.checkBundle(str(egress)).status == doctor.OK
+    if os.getuid() != 0:  # root reads a 0000 file anyway
+        (egress / "bundle.pem").chmod(0)
+        assert "Permission denied" in doctor.checkBundle(str(egress)).detail
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _doctorEnv(user: User) -> dict[str, str]:
+    return dict(user.env, PYTHONPATH=str(REPO), AGENTSANDBOX_EXE=EXE)
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentsandbox", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _needSandboxTools() -> None:
+    missing = [t for t in ("srt", "bwrap", "socat", "rg", "node") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"doctor's full run needs {', '.join(missing)} (.ci/install-deps installs them)")
+
+
+def test_doctor_passes_when_everything_is_in_place(user: User, tmp_path: Path) -> None:
+    _needSandboxTools()
+    port = freePort()
+    user.writeConfig(f'inject = []\n\n[sandbox]\ndomains = ["example.org"]\n\n[proxy]\nport = {port}\n')
+    managed = tmp_path / "managed"
+    managed.mkdir()
+    env = _doctorEnv(user)
+    installed = _cli(env, "install", "--managed-dir", str(managed))
+    assert installed.returncode == 0, installed.stderr
+    egress = user.runtime / "agentsandbox" / "egress"
+    egress.mkdir(parents=True)
+    (egress / "bundle.pem").write_bytes(_certificatePEM())
+    proxy = StandInProxy(port)
+    broker = startBroker(env)
+    try:
+        p = _cli(env, "doctor", "--managed-dir", str(managed))
+        j = _cli(env, "doctor", "--managed-dir", str(managed), "--json")
+    finally:
+        stopBroker(broker)
+        proxy.close()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.endswith("all checks passed\n")
+    assert proxy.lines == []  # doctor's probe is not a request
+    checks = {c["name"]: c for c in json.loads(j.stdout)}
+    assert j.returncode == 0
+    for name in ("bubblewrap", "socat", "ripgrep", "srt", "bubblewrap works", "srt works", "config",
+                 "Claude Code drop-in", "server-managed settings", "broker", "egress proxy", "same user",
+                 "CA bundle"):
+        assert checks[name]["status"] == "ok", checks[name]
+    assert checks["Claude Code"]["status"] in ("ok", "warn", "unknown")
+
+
+def test_doctor_fails_with_each_fix_when_nothing_is_set_up(user: User, tmp_path: Path) -> None:
+    port = freePort()
+    user.writeConfig(f"[proxy]\nport = {port}\n")
+    (user.home / ".claude" / "remote-settings.json").write_text("{}")
+    env = _doctorEnv(user)
+    env["PATH"] = str(tmp_path / "empty-bin")  # doctor itself starts by its absolute path
+    p = _cli(env, "doctor", "--managed-dir", str(tmp_path / "managed"))
+    assert p.returncode == 1
+    out = p.stdout
+    for line in (
+        "FAIL    bubblewrap", "FAIL    srt ", "FAIL    Claude Code drop-in", "FAIL    server-managed settings",
+        "FAIL    broker", "FAIL    egress proxy", "FAIL    CA bundle",
+        "unknown token for github.com", "unknown Claude Code",
+    ):
+        assert line in out, (line, out)
+    assert "same user" not in out  # nothing to compare without a service
+    assert out.count("fix: ") >= 7
+    assert out.rstrip().endswith("checks failed")
+
+
+def test_doctor_reports_a_broken_config(user: User) -> None:
+    user.writeConfig("[proxy]\nprot = 1\n")
+    env = dict(user.env, PYTHONPATH=str(REPO))
+    p = _cli(env, "doctor", "--json")
+    assert p.returncode == 1
+    checks = {c["name"]: c for c in json.loads(p.stdout)}
+    assert checks["config"]["status"] == "FAIL"
+    assert "proxy.prot: unknown key" in checks["config"]["detail"]
+    assert "broker" not in checks  # nothing that needs the config is checked
+
+
+# --------------------------------------------------------------------------- status
+
+
+SAMPLE = {
+    "pid": 4321,
+    "uptime": 3725.5,
+    "inFlight": 1,
+    "spool": "/home/u/.local/state/agentsandbox/spool",
+    "requests": {"ping": {"ok": 3}, "sign": {"ok": 2, "error": 1}, "run": {"dropped": 1}},
+    "proxy": {"openTunnels": 2, "refused": 5, "bytesUp": 100, "injectedRequests": 7, "listening": "127.0.0.1:3190"},
+    "tokens": [
+        {"source": "command gh auth token", "hosts": ["github.com", "api.github.com"], "present": True, "age": 61},
+        {"source": "environment variable X", "hosts": ["api.example.org"], "present": False, "lastError": "X is not set"},
+    ],
+    "extraFigure": {"a": 1},
+}
+
+
+def test_the_status_table() -> None:
+    text = doctor.statusTable(SAMPLE)
+    lines = text.splitlines()
+    assert lines[0] == "service   pid 4321, up 1h02m, 1 in flight"
+    assert "spool     /home/u/.local/state/agentsandbox/spool" in lines
+    header = next(line for line in lines if line.startswith("requests"))
+    assert header.split() == ["requests", "op", "dropped", "error", "ok"]
+    sign = next(line for line in lines if line.split()[:1] == ["sign"])
+    assert sign.split() == ["sign", "0", "1", "2"]
+    assert any(line.split() == ["proxy", "bytesUp", "100"] for line in lines)
+    assert any(line.split() == ["injectedRequests", "7"] for line in lines)
+    assert "tokens    github.com, api.github.com: present, fetched 61s ago; from command gh auth token" in lines
+    assert any("api.example.org: MISSING; from environment variable X; last error: X is not set" in line for line in lines)
+    assert 'extraFigure  {"a": 1}' in lines
+    assert doctor.statusTable({"pid": 1, "requests": {}}).splitlines()[-1] == "requests  none yet"
+
+
+def test_status_from_a_running_broker(user: User, broker: str) -> None:
+    env = dict(user.env, PYTHONPATH=str(REPO))
+    assert _cli(env, "ask", "ping").returncode == 0
+    p = _cli(env, "status")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("service   pid ")
+    assert any(line.split()[:2] == ["ping", "1"] or (line.split()[-1:] == ["1"] and "ping" in line)
+               for line in p.stdout.splitlines())
+    j = _cli(env, "status", "--json")
+    data = json.loads(j.stdout)
+    assert data["requests"]["ping"]["ok"] >= 1
+    assert data["spool"] == broker
+
+
+def test_status_without_a_service(user: User) -> None:
+    env = dict(user.env, PYTHONPATH=str(REPO))
+    p = _cli(env, "status")
+    assert p.returncode == 1
+    assert "no agentsandbox broker answered" in p.stderr
+    assert "fix: start the service" in p.stderr
+    user.writeConfig("[broker]\nspool = 3\n")
+    assert _cli(env, "status").returncode == 2
+
