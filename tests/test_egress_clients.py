@@ -35,6 +35,8 @@ WEB_ADDRESS = "192.0.2.80"
 
 
 class ClientTests(TestCase):
+    spliceFast = True
+
     async def setUpWeb(self, bigFile: int = 0):
         for tool in (CURL, GIT, GIT_HTTP_BACKEND):
             if not os.path.exists(tool):
@@ -47,7 +49,7 @@ class ClientTests(TestCase):
         dialer = MappedDialer(reactor)
         dialer.route(WEB_ADDRESS, 80, web.getHost().port)
         dialer.route(WEB_ADDRESS, 443, web.getHost().port)  # CONNECT :443 lands on the same plain server
-        self.proxy = ProxyHarness([WEB], FixedResolver({WEB: [WEB_ADDRESS]}), dialer)
+        self.proxy = ProxyHarness([WEB], FixedResolver({WEB: [WEB_ADDRESS]}), dialer, spliceFast=self.spliceFast)
         await self.proxy.start()
         self.addCleanup(self.proxy.stop)
         self.proxyURL = f"http://127.0.0.1:{self.proxy.port}"
@@ -149,6 +151,7 @@ class ClientTests(TestCase):
         await waitFor(tunnels, "the tunnel's audit record")
         tunnel = tunnels()[-1]
         self.assertGreater(tunnel["down"], 1 << 30)
+        self.assertEqual(self.proxy.factory.zeroCopied, 1 if self.spliceFast else 0)
 
 
 def _twoJSON(out: bytes):
@@ -157,3 +160,9 @@ def _twoJSON(out: bytes):
     first, end = dec.raw_decode(text)
     second, _ = dec.raw_decode(text[end:])
     return first, second
+
+
+class ClientTestsCopyLoop(ClientTests):
+    """curl, git and the 1 GiB transfer on Twisted's copy loop instead of splice(2)."""
+
+    spliceFast = False

@@ -21,6 +21,8 @@ from tests.support.egress_fixtures import (
 
 
 class ConnectTests(TestCase):
+    spliceFast = True
+
     async def _proxy(self, domains, table=None, **kw):
         echo = await listen(Factory.forProtocol(Echo))
         self.addCleanup(echo.stopListening)
@@ -117,6 +119,8 @@ class FakeTerminator:
 
 
 class BaseProxyTest(TestCase):
+    spliceFast = True
+
     async def proxy(self, domains, table=None, upstream=Echo, routes=((("192.0.2.10", 443)),), **kw):
         server = await listen(Factory.forProtocol(upstream))
         self.addCleanup(server.stopListening)
@@ -124,7 +128,7 @@ class BaseProxyTest(TestCase):
         dialer = MappedDialer(reactor)
         for addr, port in routes:
             dialer.route(addr, port, self.upstreamPort)
-        h = ProxyHarness(domains, FixedResolver(table if table is not None else {"echo.example.org": ["192.0.2.10"]}), dialer, **kw)
+        h = ProxyHarness(domains, FixedResolver(table if table is not None else {"echo.example.org": ["192.0.2.10"]}), dialer, **kw, spliceFast=self.spliceFast)
         await h.start()
         self.addCleanup(h.stop)
         return h
@@ -369,3 +373,13 @@ async def sleep(seconds: float) -> None:
     d: Deferred[None] = Deferred()
     reactor.callLater(seconds, d.callback, None)
     await d
+
+
+class HttpTestsCopyLoop(HttpTests):
+    """The same tunnels on Twisted's copy loop instead of splice(2)."""
+
+    spliceFast = False
+
+
+class SocksTestsCopyLoop(SocksTests):
+    spliceFast = False

@@ -398,6 +398,7 @@ class EgressProxyFactory(Factory):
         self.doors: set[FrontDoor] = set()
         self.tunnels: set[Tunnel] = set()
         self.reserved = 0
+        self.zeroCopied = 0
         self._sweeper: Any = None
 
     def buildProtocol(self, addr: Any) -> FrontDoor:
@@ -489,7 +490,8 @@ class EgressProxyFactory(Factory):
         if self.spliceFast:
             from agentsandbox.egress.splice import zeroCopy
 
-            zeroCopy(tunnel, self.reactor)
+            if zeroCopy(tunnel, self.reactor):
+                self.zeroCopied += 1
 
     # -------------------------------------------------------------- limits
     def release(self) -> None:
