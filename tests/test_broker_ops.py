@@ -235,7 +235,7 @@ class KubeconfigOpTests(unittest.TestCase):
 
     @asyncTest
     async def test_unknownContextIsAClearError(self) -> None:
-        out, err, code = await self.kubeconfig("nosuch", {})
+        _out, err, code = await self.kubeconfig("nosuch", {})
         self.assertEqual(code, 1)
         self.assertIn(b"nosuch", err)
 
@@ -247,6 +247,6 @@ class KubeconfigWithoutKubectlTests(KubeconfigOpTests):
     async def test_yamlWithoutKubectlIsAClearError(self) -> None:
         with open(self.source, "w") as f:
             f.write("apiVersion: v1\nkind: Config\n")
-        out, err, code = await self.kubeconfig("kind-lab", {})
+        _out, err, code = await self.kubeconfig("kind-lab", {})
         self.assertEqual(code, 1)
         self.assertIn(b"is not JSON and kubectl", err)

@@ -137,13 +137,31 @@ class _Waiter:
             self.fd = -1
 
 
+_libc: ctypes.CDLL | None = None
+
+
+def _loadLibc() -> ctypes.CDLL | None:
+    """The C library, loaded once: ``find_library`` may run ``ldconfig``, so avoid it."""
+    global _libc
+    if _libc is None:
+        for name in ("libc.so.6", ctypes.util.find_library("c")):
+            if not name:
+                continue
+            try:
+                _libc = ctypes.CDLL(name, use_errno=True)
+                break
+            except OSError:
+                continue
+    return _libc
+
+
 def _inotifyWatch(directory: str) -> int:
     """An inotify fd watching ``directory``, or -1 where inotify is not available."""
+    libc = _loadLibc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        init = libc.inotify_init1
-        add = libc.inotify_add_watch
-    except (OSError, AttributeError):
+        init = libc.inotify_init1  # type: ignore[union-attr]
+        add = libc.inotify_add_watch  # type: ignore[union-attr]
+    except AttributeError:
         return -1
     fd = int(init(_IN_NONBLOCK | _IN_CLOEXEC))
     if fd < 0:
