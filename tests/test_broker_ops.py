@@ -157,6 +157,38 @@ KUBECONFIG = {
 }
 
 
+KUBECONFIG_YAML = """\
+apiVersion: v1
+kind: Config
+current-context: kind-lab
+clusters:
+- name: kind-lab
+  cluster:
+    server: https://127.0.0.1:6443
+    certificate-authority-data: Q0E=
+- name: prod
+  cluster:
+    server: https://k8s.example.org:6443
+contexts:
+- name: kind-lab
+  context:
+    cluster: kind-lab
+    user: kind-lab
+- name: prod
+  context:
+    cluster: prod
+    user: prod
+users:
+- name: kind-lab
+  user:
+    client-certificate-data: Q0VSVA==
+    client-key-data: S0VZ
+- name: prod
+  user:
+    token: prod-token
+"""
+
+
 class KubeconfigHelperTests(unittest.TestCase):
     def test_socksProxySelection(self) -> None:
         self.assertEqual(
@@ -205,9 +237,12 @@ class KubeconfigOpTests(unittest.TestCase):
         return self.service.ready
 
     def writeSource(self) -> None:
-        # YAML for kubectl (flow style is YAML too), JSON for the fallback.
+        # Block-style YAML, as kind writes it, for kubectl; JSON for the fallback.
         with open(self.source, "w") as f:
-            json.dump(KUBECONFIG, f)
+            if self.kubectl:
+                f.write(KUBECONFIG_YAML)
+            else:
+                json.dump(KUBECONFIG, f)
 
     async def kubeconfig(self, context: str, env: dict[str, str]) -> tuple[bytes, bytes, int]:
         full = {

@@ -595,7 +595,11 @@ class TimeoutTests(BrokerCase):
     broker: ClassVar[dict[str, Any]] = {
         "run": {
             "hang": {
-                "argv": ["/bin/sh", "-c", "i=0; while [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done"],
+                "argv": [
+                    "/bin/sh",
+                    "-c",
+                    "echo partial; i=0; while [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done",
+                ],
                 "timeout": 0.3,
                 "stream": False,
             }
@@ -607,4 +611,15 @@ class TimeoutTests(BrokerCase):
         error = await self.refused(Request(op="run", args=("hang",)))
         self.assertIn("timed out after 0.3s (broker.run.hang.timeout)", error)
         self.assertEqual(self.service.host.running, set())
+
+    @asyncTest
+    async def test_hostShowsWhatATimedOutCommandMade(self) -> None:
+        from twisted.internet.utils import getProcessOutputAndValue
+
+        env = dict(os.environ, AGENTSANDBOX_SPOOL=self.spool, PYTHONPATH=os.getcwd())
+        out, err, code = await getProcessOutputAndValue(
+            sys.executable, ["-m", "agentsandbox", "host", "hang"], env=env, path=self.base
+        )
+        self.assertEqual((out, code), (b"partial\n", 1))
+        self.assertIn(b"timed out after 0.3s", err)
 

@@ -44,14 +44,23 @@ _MAX_NAP = 0.25
 
 
 class BrokerError(Exception):
-    """The broker refused, or its answer could not be used."""
+    """The broker refused, or its answer could not be used.
+
+    ``reply`` is the broker's whole answer when it gave one: a host command that timed
+    out still carries the output it made.
+    """
+
+    def __init__(self, message: str, reply: Reply | None = None) -> None:
+        super().__init__(message)
+        self.reply = reply
 
 
 class NoBroker(BrokerError):
     """No broker answered within the timeout."""
 
     def __init__(self, spool: str, timeout: float) -> None:
-        super().__init__(
+        BrokerError.__init__(
+            self,
             f"no agentsandbox broker answered within {timeout:g}s in {spool}: the broker "
             "runs on the host (agentsandbox serve, or the agentsandbox user service); "
             "nothing was done inside the sandbox instead"
@@ -255,7 +264,7 @@ def _await(
             except wire.WireError as e:
                 raise BrokerError(str(e)) from None
             if reply.error is not None:
-                raise BrokerError(reply.error)
+                raise BrokerError(reply.error, reply)
             return reply
         if deadline is None:
             waiter.wait(_MAX_NAP)

@@ -92,6 +92,8 @@ def _run(command: str, request: Request, timeout: float | None, stream: bool = F
         _say(command, str(e))
         return EX_UNAVAILABLE
     except BrokerError as e:
+        if e.reply is not None:
+            _emit(e.reply)  # what a command that failed (timed out) made before it ended
         _say(command, str(e))
         return 1
     return _emit(reply)

@@ -132,6 +132,11 @@ class BrokerService(service.Service):
         return ThreadPool(minthreads=0, maxthreads=4, name="agentsandbox-broker")
 
     def startService(self) -> None:
+        if not sys.platform.startswith("linux"):
+            raise RuntimeError(
+                "the broker runs on Linux only: it finds each requester in /proc and "
+                "waits on inotify"
+            )
         prepareSpool(self.spool, self.uid)
         super().startService()  # type: ignore[no-untyped-call]
         self._stopping = False
