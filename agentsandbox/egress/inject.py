@@ -380,12 +380,14 @@ class _Tunnel(Protocol):
         self._upstream: _Upstream | None = None
         self._pending: h11.Request | None = None
         self._queued: list[Any] = []
+        self._batch: list[Any] = []
         self._dialing = False
         self._requestDone = True
         self._responseDone = True
         self._responseStarted = False
         self._switched = False
         self._closed = False
+        self._gone = False
         self._lastActivity = 0.0
         self._timer: IDelayedCall | None = None
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
@@ -402,12 +404,13 @@ class _Tunnel(Protocol):
         timeout = self._injector.idleTimeout
         if idle >= timeout and self._requestDone and self._responseDone:
             self._timer = None
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self._close()
         else:
             self._timer = self._clock.callLater(max(timeout - idle, 1.0), self._checkIdle)
 
     def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
         self._closed = True
+        self._gone = True
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -433,23 +436,29 @@ class _Tunnel(Protocol):
         self._pump()
 
     def _pump(self) -> None:
+        # Body events are batched for one pass over what arrived, so a framing
+        # error found later in the same bytes (a bad chunk) still refuses a
+        # request that nothing was forwarded for.
         conn = self._conn
+        batch = self._batch
         while not self._closed:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as e:
+                batch.clear()
                 self._badRequest(e)
                 return
             kind = type(event)
             if kind is h11.Data:
-                self._forward(event)
+                batch.append(event)
             elif kind is h11.Request:
                 if not self._onRequest(event):
                     return
             elif kind is h11.EndOfMessage:
-                self._forward(event)
+                batch.append(event)
+                self._flush()
                 self._requestDone = True
-                if self._pending is None and self._maybeNextCycle():
+                if self._maybeNextCycle():
                     continue
             elif event is h11.NEED_DATA:
                 break
@@ -459,16 +468,32 @@ class _Tunnel(Protocol):
                 break
             elif kind is h11.ConnectionClosed:
                 if self._requestDone and self._responseDone:
-                    self.transport.loseConnection()  # type: ignore[union-attr]
+                    self._close()
                 break
+        if not self._closed:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._pending is not None:
             self._dispatch()
+        batch = self._batch
+        if not batch:
+            return
+        if self._dialing:
+            self._queued.extend(batch)
+        elif self._upstream is not None:
+            self._upstream.sendAll(batch)
+        # else: the upstream went away after answering; the rest of the body has nowhere to go.
+        batch.clear()
 
     def _onRequest(self, request: h11.Request) -> bool:
         head = self._head
         self._head = None
         if head is not None:
             consumed = len(head) - len(self._conn.trailing_data[0])
+            if consumed > MAX_HEAD:
+                self._refuse(431, f"refused: a request head over {MAX_HEAD} bytes")
+                return False
             why = headAnomaly(bytes(head[:consumed]))
             if why is not None:
                 self._refuse(400, f"refused: {why}")
@@ -569,8 +594,24 @@ class _Tunnel(Protocol):
                 transport.write(conn.send(h11.EndOfMessage()) or b"")
             except h11.LocalProtocolError:
                 pass
+        self._close()
+
+    def _close(self, abort: bool = False) -> None:
+        """End the client's connection, letting go of the upstream first (a TLS
+        transport with a producer registered would wait for it forever)."""
         self._closed = True
-        transport.loseConnection()
+        upstream, self._upstream = self._upstream, None
+        if upstream is not None:
+            upstream.unpair()
+            if self._requestDone and self._responseDone and not self._switched:
+                self._injector._release(upstream)
+            else:
+                upstream.close()
+        if self.transport is not None and not self._gone:
+            if abort:
+                self.transport.abortConnection()
+            else:
+                self.transport.loseConnection()
 
     # ------------------------------------------------------------------ to upstream
 
@@ -581,7 +622,6 @@ class _Tunnel(Protocol):
         upstream = self._upstream
         if upstream is not None and upstream.reusable():
             upstream.send(request)
-            self._flushQueued()
             return
         if upstream is not None:
             self._dropUpstream()
@@ -608,21 +648,9 @@ class _Tunnel(Protocol):
         self._upstreamFailed(why)
 
     def _flushQueued(self) -> None:
-        upstream = self._upstream
         queued, self._queued = self._queued, []
-        for event in queued:
-            if upstream is None:
-                return
-            upstream.send(event)
-
-    def _forward(self, event: Any) -> None:
-        if self._pending is not None:
-            self._dispatch()
-        if self._dialing:
-            self._queued.append(event)
-        elif self._upstream is not None:
-            self._upstream.send(event)
-        # else: the upstream went away after answering; the rest of the body has nowhere to go.
+        if self._upstream is not None and queued:
+            self._upstream.sendAll(queued)
 
     def _dropUpstream(self) -> None:
         upstream, self._upstream = self._upstream, None
@@ -694,7 +722,7 @@ class _Tunnel(Protocol):
         if self._closed:
             return
         if self._switched:
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self._close()
         elif not self._responseDone:
             self._upstreamFailed(why)
 
@@ -702,8 +730,7 @@ class _Tunnel(Protocol):
         log.info("egress: {host}: {why}", host=self._host, why=why)
         if self._responseStarted:
             # Half a response is out: only a cut connection tells the client.
-            self._closed = True
-            self.transport.abortConnection()  # type: ignore[union-attr]
+            self._close(abort=True)
             return
         self._requestDone = self._responseDone = True
         self._sendError(502, f"the sandbox's proxy reached no {self._host}: {why}")
@@ -718,12 +745,12 @@ class _Tunnel(Protocol):
         conn = self._conn
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
             conn.start_next_cycle()
+            self._responseStarted = False
             self._head = bytearray(conn.trailing_data[0])
             self._reads.resume(_BY_AHEAD)
             return True
         if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE or conn.our_state is h11.DONE:
-            self._closed = True
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self._close()
         return False
 
     def continueAfterResponse(self) -> None:
@@ -790,7 +817,7 @@ class _Upstream(Protocol):
         tunnel._reads.resume(_BY_PEER)
         if not self._lost:
             self.transport.unregisterProducer()  # type: ignore[union-attr]
-        if not tunnel._closed and tunnel.transport is not None:
+        if not tunnel._gone and tunnel.transport is not None:
             tunnel.transport.unregisterProducer()
 
     def reusable(self) -> bool:
@@ -813,6 +840,7 @@ class _Upstream(Protocol):
 
     def close(self) -> None:
         self.leaveIdle()
+        self.unpair()
         if not self._lost and self.transport is not None:
             self.transport.loseConnection()
 
@@ -829,6 +857,20 @@ class _Upstream(Protocol):
             return
         if data:
             self.transport.writeSequence(data)  # type: ignore[union-attr]
+
+    def sendAll(self, events: list[Any]) -> None:
+        if self._lost:
+            return
+        send = self._conn.send_with_data_passthrough
+        out: list[bytes] = []
+        try:
+            for event in events:
+                out += send(event) or ()
+        except h11.LocalProtocolError as e:
+            self._lostWhy = f"cannot forward the request ({e})"
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
+        self.transport.writeSequence(out)  # type: ignore[union-attr]
 
     def dataReceived(self, data: bytes) -> None:
         conn = self._conn

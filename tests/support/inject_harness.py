@@ -14,7 +14,13 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.internet import defer, utils
+from cryptography import x509
+from twisted.internet import defer, endpoints, utils
+from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
+from twisted.internet.protocol import Protocol
+from zope.interface import implementer
+
+from agentsandbox.egress.compat import toX509
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory
 from twisted.logger import globalLogPublisher
@@ -139,6 +145,18 @@ class InjectHarness:
             self.ports.append(port)
             self.tunnels[host] = port.getHost().port
 
+    def tunnelTo(self, host: str, addresses: list[Any]) -> int:
+        """Another tunnel port for ``host`` whose upstream is at ``addresses``."""
+        port = self.reactor.listenTCP(
+            0, self.track(_TunnelFactory(self.injector, host, addresses)), interface="127.0.0.1"
+        )
+        self.ports.append(port)
+        return int(port.getHost().port)
+
+    def raw(self, host: str, data: bytes, sni: str | None = None, port: int | None = None,
+            until: bytes | None = None) -> Any:
+        return rawTLS(self.reactor, port or self.tunnels[host], data, AnySNI(self.ca.pem, sni or host), until)
+
     def track(self, factory: Any) -> Tracked:
         tracked = Tracked(factory)
         self.tracked.append(tracked)
@@ -163,3 +181,71 @@ class InjectHarness:
 
 def _cleanEnv() -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+
+
+# ---------------------------------------------------------------------- a raw TLS client
+
+
+@implementer(IOpenSSLClientConnectionCreator)
+class AnySNI:
+    """A TLS client that trusts ``caPEM``, sends ``sni`` and checks no name: it
+    shows which certificate the server picked."""
+
+    def __init__(self, caPEM: bytes, sni: str, alpn: list[bytes] | None = None) -> None:
+        from OpenSSL import SSL
+
+        self.sni = sni.encode("ascii")
+        ctx = SSL.Context(SSL.TLS_METHOD)
+        store = ctx.get_cert_store()
+        store.add_cert(toX509(x509.load_pem_x509_certificate(caPEM)))
+        ctx.set_verify(SSL.VERIFY_PEER, lambda conn, cert, errno, depth, ok: bool(ok))
+        if alpn:
+            ctx.set_alpn_protos(alpn)
+        self.ctx = ctx
+
+    def clientConnectionForTLS(self, tlsProtocol: Any) -> Any:
+        from OpenSSL import SSL
+
+        conn = SSL.Connection(self.ctx, None)
+        conn.set_tlsext_host_name(self.sni)
+        conn.set_app_data(tlsProtocol)
+        return conn
+
+
+class RawClient(Protocol):
+    """Sends bytes, collects everything until the server closes."""
+
+    def __init__(self, data: bytes, until: bytes | None = None) -> None:
+        self.data = data
+        self.until = until
+        self.received = bytearray()
+        self.done: defer.Deferred[bytes] = defer.Deferred()
+        self.peer: Any = None
+        self.alpn: bytes | None = None
+
+    def connectionMade(self) -> None:
+        self.transport.write(self.data)  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.peer is None:
+            tls = self.transport.getHandle()  # type: ignore[union-attr]
+            self.peer = tls.get_peer_certificate()
+            self.alpn = tls.get_alpn_proto_negotiated()
+        self.received += data
+        if self.until is not None and self.received.count(b"\r\n\r\n") and self.until in self.received:
+            self.transport.loseConnection()  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Any = None) -> None:
+        if not self.done.called:
+            self.done.callback(bytes(self.received))
+
+
+def rawTLS(
+    reactor: Any, port: int, data: bytes, creator: Any, until: bytes | None = None
+) -> defer.Deferred[RawClient]:
+    """Connect over TLS to a tunnel port, send ``data``, wait for the server to close."""
+    client = RawClient(data, until)
+    endpoint = endpoints.wrapClientTLS(creator, endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port))
+    d = endpoints.connectProtocol(endpoint, client)
+    d.addCallback(lambda _: client.done)
+    return d.addCallback(lambda _: client)
