@@ -11,7 +11,8 @@ Three rules make it safe to use:
 
 * **Never unenforced.**  Before anything starts, srt, bubblewrap, socat and
   ripgrep must be on the PATH and the service must answer (a broker ping *and*
-  a TCP connection to the proxy port on 127.0.0.1).  Otherwise nothing runs and
+  a TCP connection to the proxy port on 127.0.0.1, whose listening socket is
+  not another user's).  Otherwise nothing runs and
   the exit status is ``EX_UNENFORCED`` (125), with a message naming the fix.
 * **Deny-by-default environment.**  Only variables matching ``[run] env`` pass,
   minus every credential-looking name (``sandbox.unset_env``; ``sandbox.keep_env``
@@ -221,6 +222,21 @@ def proxyAnswers(port: int, timeout: float = CONNECT_TIMEOUT) -> str | None:
         return e.strerror or str(e)
 
 
+def proxyOwner(port: int, procDir: str = "/proc") -> str | None:
+    """None unless another user holds the listening socket on ``port``, else who does.
+
+    When the service is down, any local user may listen on the proxy port and
+    would then see every connection the command makes: refuse that.
+    """
+    from agentsandbox.doctor import listenerUids
+
+    owners = listenerUids(port, procDir)
+    me = os.getuid()
+    if not owners or owners == {me}:
+        return None
+    return f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not by this user (uid {me})"
+
+
 def brokerAnswers(spool: str, timeout: float = PING_TIMEOUT) -> str | None:
     """None when the broker answers a ping in ``spool``, else why not."""
     from agentsandbox.broker import client
@@ -241,6 +257,7 @@ def enforcementProblems(
     which: Callable[..., str | None] = shutil.which,
     proxyCheck: Callable[[int], str | None] = proxyAnswers,
     brokerCheck: Callable[[str], str | None] = brokerAnswers,
+    ownerCheck: Callable[[int], str | None] = proxyOwner,
 ) -> list[Problem]:
     """Every reason the run would not be enforced; empty when it would be."""
     problems = missingTools(searchPath, which)
@@ -253,6 +270,16 @@ def enforcementProblems(
                 SERVICE_FIX,
             )
         )
+    else:
+        why = ownerCheck(port)
+        if why is not None:
+            problems.append(
+                Problem(
+                    f"another user's program listens on the proxy port: {why}",
+                    "stop it, or move agentsandbox to a free port (proxy.port), then "
+                    + SERVICE_FIX,
+                )
+            )
     why = brokerCheck(config.broker.spool)
     if why is not None:
         problems.append(Problem(f"the broker does not answer: {why}", SERVICE_FIX))
@@ -332,7 +359,8 @@ def main(argv: list[str]) -> int:
         parser.print_usage(sys.stderr)
         _say("give the command to run, e.g. agentsandbox run -- bash")
         return EX_USAGE
-    return run(command, args.config, args.printOnly, os.environ, os.getcwd())
+    configPath = os.path.abspath(args.config) if args.config else None
+    return run(command, configPath, args.printOnly, os.environ, os.getcwd())
 
 
 def run(

@@ -358,3 +358,38 @@ def test_the_settings_file_is_private_and_holds_no_secret(idle: Host) -> None:
 def test_exit_status_of_a_signalled_child() -> None:
     assert runModule.exitStatus(-9) == 137
     assert runModule.exitStatus(3) == 3
+
+
+def test_refuses_a_proxy_port_held_by_another_user(idle: Host) -> None:
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to listen on the port as another user")
+    squatter = subprocess.Popen(
+        [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "import socket,sys\ns=socket.socket()\ns.bind(('127.0.0.1', int(sys.argv[1])))\n"
+         "s.listen(4)\nprint('up', flush=True)\nsys.stdin.read()",
+         str(idle.port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == "up\n"
+        assert "uid 65534" in (runModule.proxyOwner(idle.port) or "")
+        p = idle.run("--", "true")
+    finally:
+        squatter.kill()
+        squatter.wait(10)
+    assert p.returncode == 125
+    assert "another user's program listens on the proxy port" in p.stderr
+    assert f"port {idle.port} is held by uid 65534, not by this user (uid 0)" in p.stderr
+
+
+def test_the_owner_check_reads_the_socket_table(tmp_path: Path) -> None:
+    net = tmp_path / "net"
+    net.mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    row = "   0: 0100007F:0C76 00000000:0000 0A 00000000:00000000 00:00000000 00000000 {uid:>5}        0 1\n"
+    (net / "tcp").write_text(header + row.format(uid=os.getuid()))
+    assert runModule.proxyOwner(0x0C76, str(tmp_path)) is None
+    (net / "tcp").write_text(header + row.format(uid=os.getuid() + 7))
+    assert f"held by uid {os.getuid() + 7}" in (runModule.proxyOwner(0x0C76, str(tmp_path)) or "")
+    assert runModule.proxyOwner(0x0C77, str(tmp_path)) is None  # nobody listens: the connect check says so
