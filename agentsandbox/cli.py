@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "install": ("agentsandbox.claude", "installMain", "install the Claude Code drop-in"),
     "check": ("agentsandbox.commands", "checkMain", "explain a decision: read|write PATH, host HOST[:PORT]"),
     "hook": ("agentsandbox.hook", "main", "Claude Code hooks: pretooluse | sessionstart"),
+    "env": ("agentsandbox.egressdir", "main", "print the egress CA and gh variables; --unset: the line that removes them"),
     "serve": ("agentsandbox.serve", "main", "run the service in the foreground (--demo: on the built-in defaults)"),
     "broker": ("agentsandbox.broker.server", "main", "run only the host broker, in the foreground"),
     "ask": ("agentsandbox.broker.commands", "askMain", "ask the host broker: ping | status"),

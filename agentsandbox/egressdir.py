@@ -1,0 +1,187 @@
+"""The egress directory the sandbox reads, and the variables that point clients at it.
+
+``<runtime>/agentsandbox/egress`` (0700) holds:
+
+- ``ca.pem``: the proxy's in-memory CA, certificate only (the key never
+  leaves the service);
+- ``bundle.pem``: the first readable system bundle plus that CA, for clients
+  that take one file (curl, git, Python, Go);
+- ``gh/hosts.yml``: a login for github.com whose "token" is a fixed,
+  non-secret word; the proxy replaces the header gh sends, so gh needs no
+  real token to work.
+
+``egressVars`` is what the SessionStart hook exports.  Stdlib only: the hook
+imports this module on every session start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+#: The fixed word gh sends as its token; the proxy replaces the header.
+GH_PLACEHOLDER = "agentsandbox-egress-proxy"
+
+#: Where distributions keep their root bundle, in Go's order.
+SYSTEM_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/pki/tls/cacert.pem",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+)
+
+BUNDLE_VARS = ("SSL_CERT_FILE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE")
+
+#: git config carried in the environment: ssh remotes of github.com go over
+#: https (where the proxy injects), and none of the person's credential
+#: helpers runs for github.com (an empty value resets the helper list).
+GITHUB_GIT_CONFIG = (
+    ("url.https://github.com/.insteadOf", "git@github.com:"),
+    ("url.https://github.com/.insteadOf", "ssh://git@github.com/"),
+    ("credential.https://github.com.helper", ""),
+)
+
+#: How many GIT_CONFIG_KEY_n/VALUE_n pairs ``env --unset`` clears: ours plus
+#: room for the ones other parts add (gpg.program).
+UNSET_GIT_PAIRS = 8
+
+
+class EgressDirError(Exception):
+    """The egress directory cannot be written; the message says which file and why."""
+
+
+def systemBundle(candidates: Sequence[str] = SYSTEM_BUNDLES) -> tuple[str, bytes]:
+    """The first readable system root bundle and its bytes."""
+    for path in candidates:
+        try:
+            with open(path, "rb") as f:
+                return path, f.read()
+        except OSError:
+            continue
+    raise EgressDirError(f"no system root bundle ({', '.join(candidates)})")
+
+
+def ghHosts() -> bytes:
+    return (
+        f"github.com:\n    oauth_token: {GH_PLACEHOLDER}\n    user: {GH_PLACEHOLDER}\n"
+        "    git_protocol: https\n"
+    ).encode("ascii")
+
+
+def bundle(roots: bytes, caPEM: bytes) -> bytes:
+    return roots.rstrip(b"\n") + b"\n" + caPEM.rstrip(b"\n") + b"\n"
+
+
+def writeEgressDir(
+    directory: str, caPEM: bytes, bundles: Sequence[str] = SYSTEM_BUNDLES
+) -> None:
+    """Write ``ca.pem``, ``bundle.pem`` and ``gh/hosts.yml`` atomically (0600 in 0700 dirs)."""
+    if b"PRIVATE KEY" in caPEM:
+        raise EgressDirError("refusing to write a private key into the egress directory")
+    _, roots = systemBundle(bundles)
+    gh = os.path.join(directory, "gh")
+    for d in (directory, gh):
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)
+        except OSError as e:
+            raise EgressDirError(f"cannot create {d}: {e.strerror or e}") from None
+    _atomic(os.path.join(directory, "ca.pem"), caPEM)
+    _atomic(os.path.join(directory, "bundle.pem"), bundle(roots, caPEM))
+    _atomic(os.path.join(gh, "hosts.yml"), ghHosts())
+
+
+def _atomic(path: str, data: bytes) -> None:
+    tmp = path + ".new"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise EgressDirError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def gitConfigVars(pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """``GIT_CONFIG_COUNT`` and ``GIT_CONFIG_KEY_n``/``VALUE_n`` for ``pairs``."""
+    env = {"GIT_CONFIG_COUNT": str(len(pairs))}
+    for i, (key, value) in enumerate(pairs):
+        env[f"GIT_CONFIG_KEY_{i}"] = key
+        env[f"GIT_CONFIG_VALUE_{i}"] = value
+    return env
+
+
+def egressVars(egressDir: str, gitConfig: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """The variables that point sandboxed clients at the egress dir.
+
+    ``gitConfig`` adds pairs after GitHub's (the gpg wrapper's ``gpg.program``).
+    """
+    bundlePath = os.path.join(egressDir, "bundle.pem")
+    env = {name: bundlePath for name in BUNDLE_VARS}
+    env["NODE_EXTRA_CA_CERTS"] = os.path.join(egressDir, "ca.pem")
+    env["GH_CONFIG_DIR"] = os.path.join(egressDir, "gh")
+    env.update(gitConfigVars([*GITHUB_GIT_CONFIG, *gitConfig]))
+    return env
+
+
+def egressVarNames() -> list[str]:
+    """Every variable ``egressVars`` may set, for ``env --unset``."""
+    names = [*BUNDLE_VARS, "NODE_EXTRA_CA_CERTS", "GH_CONFIG_DIR", "GIT_CONFIG_COUNT"]
+    for i in range(UNSET_GIT_PAIRS):
+        names += [f"GIT_CONFIG_KEY_{i}", f"GIT_CONFIG_VALUE_{i}"]
+    return names
+
+
+def _quote(value: str) -> str:
+    import shlex
+
+    return shlex.quote(value)
+
+
+def exportLines(env: dict[str, str]) -> str:
+    return "".join(f"export {k}={_quote(v)}\n" for k, v in env.items())
+
+
+def unsetLine() -> str:
+    return "unset " + " ".join(egressVarNames()) + "\n"
+
+
+USAGE = """\
+usage: agentsandbox env [--unset]
+
+Print the shell lines that point clients at the egress proxy's CA bundle and
+gh config (what the SessionStart hook exports inside the sandbox).
+  --unset   print the line that removes all of them, for shells outside the sandbox
+"""
+
+
+def main(argv: list[str]) -> int:
+    """``agentsandbox env [--unset]``."""
+    if argv in (["-h"], ["--help"]):
+        sys.stdout.write(USAGE)
+        return 0
+    if argv == ["--unset"]:
+        sys.stdout.write(unsetLine())
+        return 0
+    if argv:
+        sys.stderr.write(f"agentsandbox env: unknown argument {argv[0]!r}\n\n{USAGE}")
+        return 2
+    from agentsandbox.paths import Paths
+
+    egressDir = Paths.fromEnvironment().egressDir
+    if egressDir is None:
+        sys.stderr.write(
+            "agentsandbox env: XDG_RUNTIME_DIR is not set, so there is no egress directory "
+            "(the service writes it under the user's runtime dir)\n"
+        )
+        return 1
+    sys.stdout.write(exportLines(egressVars(egressDir)))
+    return 0
