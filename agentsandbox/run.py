@@ -202,10 +202,17 @@ def missingTools(
     searchPath: str | None, which: Callable[..., str | None] = shutil.which
 ) -> list[Problem]:
     """The required programs that are not on ``searchPath``."""
+    if not searchPath:
+        return [
+            Problem(
+                "the command gets no PATH, so srt finds neither node nor bubblewrap",
+                'list "PATH" in [run] env',
+            )
+        ]
     problems = []
     for tool, fix in REQUIRED_TOOLS:
         if which(tool, path=searchPath) is None:
-            problems.append(Problem(f"{tool} is not on the PATH ({searchPath or ''})", fix))
+            problems.append(Problem(f"{tool} is not on the PATH ({searchPath})", fix))
     return problems
 
 
@@ -386,7 +393,7 @@ def run(
     if printOnly:
         printPlan(settings, env, command, notes)
         return 0
-    problems = enforcementProblems(config, env.get("PATH"))
+    problems = enforcementProblems(config, env.get("PATH", ""))
     if problems:
         _say(f"refusing to run {shlex.join(command)} unenforced:")
         for p in problems:

@@ -393,3 +393,11 @@ def test_the_owner_check_reads_the_socket_table(tmp_path: Path) -> None:
     (net / "tcp").write_text(header + row.format(uid=os.getuid() + 7))
     assert f"held by uid {os.getuid() + 7}" in (runModule.proxyOwner(0x0C76, str(tmp_path)) or "")
     assert runModule.proxyOwner(0x0C77, str(tmp_path)) is None  # nobody listens: the connect check says so
+
+
+def test_refuses_when_run_env_drops_path(served: Host, tmp_path: Path) -> None:
+    config = tmp_path / "nopath.toml"
+    config.write_text(served.config.read_text() + '\n[run]\nenv = ["HOME", "LANG"]\n')
+    p = served.run("--config", str(config), "--", "true")
+    assert p.returncode == 125
+    assert "the command gets no PATH" in p.stderr and 'list "PATH" in [run] env' in p.stderr
