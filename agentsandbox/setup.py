@@ -412,6 +412,13 @@ def setupMain(argv: list[str]) -> int:
     if inSandbox():
         print("agentsandbox setup: run it on the host, not inside the sandbox", file=sys.stderr)
         return 2
+    if os.geteuid() == 0 and os.environ.get("SUDO_USER"):
+        print(
+            f"agentsandbox setup: run it as {os.environ['SUDO_USER']}, without sudo: it sets up "
+            "the user who runs it, and prints the one root command it needs",
+            file=sys.stderr,
+        )
+        return 2
     environ = dict(os.environ)
     setup = Setup(environ, systemRunner(environ), socket=args.socket, managed=args.managed_dir)
     try:

@@ -410,3 +410,12 @@ def test_setup_runs_doctor(machine: Machine) -> None:
     assert "Claude Code drop-in" in p.stdout and "is current" in p.stdout
     assert "FAIL    broker" in p.stdout  # no service runs in this test
     assert p.returncode == 1
+
+
+def test_setup_under_sudo_is_refused(machine: Machine) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the sudo case is about root")
+    machine.env["SUDO_USER"] = "alice"
+    p = machine.setup()
+    assert p.returncode == 2 and "run it as alice, without sudo" in p.stderr
+    assert not Path(machine.paths.userConfig).exists() and machine.calls() == []
