@@ -293,6 +293,8 @@ class _Git(resource.Resource):
             request.setResponseCode(401)
             request.setHeader(b"www-authenticate", b'Basic realm="fake GitHub"')
             return b"the fake GitHub wants the injected credential\n"
+        # twcgi joins postpath as text; traversal leaves it bytes.
+        request.postpath = [p.decode() if isinstance(p, bytes) else p for p in request.postpath]
         return self.cgi.render(request)
 
 

@@ -120,7 +120,7 @@ class InjectHarness:
         hosts = [h for r in self.rules for h in r.hosts]
         self.tracked: list[Tracked] = []
         self.upstream = listenTLS(
-            reactor, self.track(self.fake.site()), self.pki.serverOptions(list(GITHUB_HOSTS) + hosts)
+            reactor, self.track(self.fake.site()), self.pki.serverOptions([*GITHUB_HOSTS, *hosts, "codeload.github.com"])
         )
         self.ports.append(self.upstream)
         self.dialer = LoopbackDialer(reactor)
