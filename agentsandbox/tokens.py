@@ -24,7 +24,12 @@ from typing import Any
 from twisted.application.service import MultiService, Service
 from twisted.internet import error as ierror
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IProcessTransport, IReactorProcess, IReactorTime
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IProcessTransport,
+    IReactorProcess,
+    IReactorTime,
+)
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -168,11 +173,11 @@ class TokenKeeper(Service):
     # ------------------------------------------------------------------ service
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
         self._schedule(0)
 
     def stopService(self) -> Deferred[None] | None:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -184,7 +189,7 @@ class TokenKeeper(Service):
         """Fetch now (unless a fetch is running); fires when that fetch ends."""
         if self._running is not None:
             waiter: Deferred[None] = Deferred()
-            self._running.addBoth(lambda r: (waiter.callback(None), r)[1])
+            self._running.addBoth(self._notify, waiter)
             return waiter
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
@@ -192,6 +197,11 @@ class TokenKeeper(Service):
         running = self._running = Deferred()
         self._fetch().addCallbacks(self._succeeded, self._failed).addBoth(self._finished)
         return running
+
+    @staticmethod
+    def _notify(result: object, waiter: Deferred[None]) -> object:
+        waiter.callback(None)
+        return result
 
     def _schedule(self, delay: float) -> None:
         if not self.running:
@@ -209,7 +219,7 @@ class TokenKeeper(Service):
         self._schedule(self.source.renew)
 
     def _failed(self, failure: Failure) -> None:
-        why = failure.getErrorMessage() if failure.check(TokenError) else _describe(failure)
+        why = failure.getErrorMessage() if failure.check(TokenError) else _describe(failure)  # type: ignore[no-untyped-call]
         self._lastError = self._scrub(why)
         self._failures += 1
         delay = min(self.source.renew, self._firstBackoff * 2 ** (self._failures - 1))
@@ -248,7 +258,7 @@ class TokenKeeper(Service):
             return _succeed(self._readEnviron(source.env or ""))
         except TokenError as e:
             d: Deferred[str] = Deferred()
-            d.errback(Failure(e))
+            d.errback(Failure(e))  # type: ignore[no-untyped-call]
             return d
 
     def _readFile(self, path: str) -> str:
@@ -298,7 +308,7 @@ class TokenKeeper(Service):
             out, err, reason = result
             if timedOut:
                 raise TokenError(f"{what} took longer than {_duration(self.source.timeout)} and was killed")
-            if not reason.check(ierror.ProcessDone):
+            if not reason.check(ierror.ProcessDone):  # type: ignore[no-untyped-call]
                 code = getattr(reason.value, "exitCode", None)
                 sig = getattr(reason.value, "signal", None)
                 how = f"exited {code}" if code is not None else f"died of signal {sig}"
@@ -353,15 +363,15 @@ class TokenKeepers(MultiService):
         environ: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self.setName("tokens")
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.setName("tokens")  # type: ignore[no-untyped-call]
         hostsBySource: dict[TokenSource, list[str]] = {}
         for rule in rules:
             hostsBySource.setdefault(rule.token, []).extend(rule.hosts)
         self._bySource: dict[TokenSource, TokenKeeper] = {}
         for source, hosts in hostsBySource.items():
             keeper = TokenKeeper(source, reactor, clock, environ, hosts=tuple(hosts), **kwargs)
-            keeper.setServiceParent(self)
+            keeper.setServiceParent(self)  # type: ignore[no-untyped-call]
             self._bySource[source] = keeper
 
     def keeperFor(self, source: TokenSource) -> TokenKeeper:

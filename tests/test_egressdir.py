@@ -60,7 +60,7 @@ def test_realSystemBundleAndTheCAVerify(tmp_path: Path) -> None:
     ca = InjectionCA.create(["api.github.com"])
     d = tmp_path / "egress"
     writeEgressDir(str(d), ca.pem)
-    path, roots = egressdir.systemBundle()
+    _path, roots = egressdir.systemBundle()
     assert (d / "bundle.pem").read_bytes().startswith(roots.rstrip(b"\n"))
     assert (d / "bundle.pem").read_bytes().endswith(ca.pem)
 

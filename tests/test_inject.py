@@ -216,7 +216,7 @@ class Headers(Base):
     @defer.inlineCallbacks
     def test_anUpstreamConnectionIsReusedByTheNextTunnel(self) -> Any:
         for _ in range(3):
-            out, err, code = yield self.curl("api.github.com", "/user")
+            _out, err, code = yield self.curl("api.github.com", "/user")
             self.assertEqual(code, 0, err)
         self.assertEqual(len(self.h.dialer.dialled), 1)
 
@@ -285,7 +285,7 @@ class NoTokenYet(Base):
     def test_requestsGoWithoutAuthorizationAndOneWarningSaysWhy(self) -> Any:
         self.holder.value = None
         for _ in range(2):
-            out, err, code = yield self.curl("api.github.com", "/user", "-H", "Authorization: token placeholder")
+            _out, err, code = yield self.curl("api.github.com", "/user", "-H", "Authorization: token placeholder")
             self.assertEqual(code, 0, err)
         self.assertEqual([s.authorization for s in self.h.fake.seen], [[], []])
         warnings = [line for line in self.logs.lines if "no token yet" in line]
@@ -293,7 +293,7 @@ class NoTokenYet(Base):
         self.assertIn("api.github.com", warnings[0])
         self.assertIn("gh auth token", warnings[0])
         self.holder.value = TOKEN
-        out, err, code = yield self.curl("api.github.com", "/user")
+        _out, err, code = yield self.curl("api.github.com", "/user")
         self.assertEqual(self.h.fake.seen[-1].authorization, [f"token {TOKEN}"])
 
 
@@ -302,13 +302,13 @@ class UpstreamTLSFailure(Base):
 
     @defer.inlineCallbacks
     def test_502NamesTheHost(self) -> Any:
-        out, err, code = yield self.curl("api.github.com", "/user", "-w", "%{http_code}")
+        out, _err, _code = yield self.curl("api.github.com", "/user", "-w", "%{http_code}")
         self.assertTrue(out.endswith(b"502"), out)
         self.assertIn(b"the sandbox's proxy reached no api.github.com", out)
         self.assertIn(b"TLS", out)
         self.assertEqual(self.h.fake.seen, [])
         # The service is still there for the next request.
-        out, err, code = yield self.curl("api.github.com", "/user", "-w", "%{http_code}")
+        out, _err, _code = yield self.curl("api.github.com", "/user", "-w", "%{http_code}")
         self.assertTrue(out.endswith(b"502"), out)
 
 

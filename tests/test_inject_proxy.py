@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Any
+from typing import Any, ClassVar
 
 from twisted.internet import defer, reactor
 from twisted.internet.protocol import Factory, Protocol
@@ -111,13 +111,13 @@ class ThroughTheProxy(unittest.TestCase):
     @defer.inlineCallbacks
     def test_aHostWithoutARuleStaysAnOpaqueTunnel(self) -> Any:
         # Our bundle does not know the fake's CA: an opaque tunnel fails to verify...
-        out, err, code = yield self.client("/usr/bin/curl", "-sS", "https://codeload.github.com/user")
+        _out, _err, code = yield self.client("/usr/bin/curl", "-sS", "https://codeload.github.com/user")
         self.assertNotEqual(code, 0)
         # ...and with the fake's own CA it verifies: the client spoke to the fake directly.
         caFile = os.path.join(self.h.dir, "upstream-ca.pem")
         with open(caFile, "wb") as f:
             f.write(self.h.pki.pem)
-        out, err, code = yield self.client(
+        _out, err, code = yield self.client(
             "/usr/bin/curl", "-sS", "--cacert", caFile, "-H", "Authorization: token mine", "https://codeload.github.com/user"
         )
         self.assertEqual(code, 0, err)
@@ -129,7 +129,7 @@ class ThroughTheProxy(unittest.TestCase):
         self.addCleanup(plain.stopListening)
         _Recorder.heads = []
         self.proxyDialer.route(str(self.h.address), 80, plain.getHost().port)
-        out, err, code = yield self.client("/usr/bin/curl", "-sS", "--max-time", "20", "http://api.github.com/user")
+        _out, err, _code = yield self.client("/usr/bin/curl", "-sS", "--max-time", "20", "http://api.github.com/user")
         self.assertTrue(_Recorder.heads, err)
         self.assertNotIn(TOKEN.encode(), b"".join(_Recorder.heads))
         self.assertNotIn(b"authorization", b"".join(_Recorder.heads).lower())
@@ -157,7 +157,7 @@ class ThroughTheProxy(unittest.TestCase):
         subprocess.run(["git", "-C", seed, "push", "-q", bare, "main"], check=True, env=env)
         clone = os.path.join(tempfile.mkdtemp(prefix="clone-"), "repo")
         # The ssh form goes over https through insteadOf, where the proxy injects.
-        out, err, code = yield self.client(GIT or "git", "clone", "-q", "git@github.com:o/repo.git", clone)
+        _out, err, code = yield self.client(GIT or "git", "clone", "-q", "git@github.com:o/repo.git", clone)
         self.assertEqual(code, 0, err)
         self.assertTrue(os.path.exists(os.path.join(clone, "README")))
         gitSeen = [s for s in self.h.fake.seen if s.path.startswith("/o/")]
@@ -166,9 +166,9 @@ class ThroughTheProxy(unittest.TestCase):
         with open(os.path.join(clone, "NEW"), "w") as f:
             f.write("pushed through the proxy\n")
         for args in (("add", "NEW"), ("-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-qm", "new")):
-            out, err, code = yield self.client(GIT or "git", "-C", clone, *args)
+            _out, err, code = yield self.client(GIT or "git", "-C", clone, *args)
             self.assertEqual(code, 0, err)
-        out, err, code = yield self.client(GIT or "git", "-C", clone, "push", "-q", "origin", "main")
+        _out, err, code = yield self.client(GIT or "git", "-C", clone, "push", "-q", "origin", "main")
         self.assertEqual(code, 0, err)
         pushed = subprocess.run(["git", "-C", bare, "log", "--format=%s", "-1"], capture_output=True, text=True)
         self.assertEqual(pushed.stdout.strip(), "new")
@@ -212,7 +212,7 @@ class ThroughTheProxy(unittest.TestCase):
         if GH is not None:
             yield self.ghApiUser()
         body = b"echo body ghu_ placeholder"
-        out, err, code = yield self.client("/usr/bin/curl", "-sS", "--data-binary", body, "https://api.github.com/echo")
+        out, _err, _code = yield self.client("/usr/bin/curl", "-sS", "--data-binary", body, "https://api.github.com/echo")
         self.assertEqual(out, body)
         yield self.client("/usr/bin/curl", "-sS", "-X", "TRACE", "https://api.github.com/")
         yield self.client("/usr/bin/curl", "-sS", "--proxy", f"socks5h://127.0.0.1:{self.proxy.port}",
@@ -264,7 +264,7 @@ def _children() -> list[int]:
 
 
 class _Recorder(Protocol):
-    heads: list[bytes] = []
+    heads: ClassVar[list[bytes]] = []
 
     def dataReceived(self, data: bytes) -> None:
         _Recorder.heads.append(data)

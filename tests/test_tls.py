@@ -50,7 +50,7 @@ class CATests(unittest.TestCase):
         self.assertEqual(sorted(n.value for n in nc.value.permitted_subtrees), sorted(HOSTS))
         self.assertIsInstance(cert.public_key(), ec.EllipticCurvePublicKey)
         self.assertEqual(cert.public_key().curve.name, "secp256r1")  # type: ignore[union-attr]
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.assertLess(notValidBefore(cert), now)
         self.assertGreater(notValidAfter(cert), now + datetime.timedelta(days=300))
         self.assertNotEqual(cert.serial_number, InjectionCA.create(HOSTS).certificate.serial_number)
@@ -132,7 +132,7 @@ class ServerTLS(unittest.TestCase):
     def test_tls11IsRefused(self) -> Any:
         from twisted.internet.utils import getProcessOutputAndValue
 
-        out, err, code = yield getProcessOutputAndValue(
+        _out, _err, code = yield getProcessOutputAndValue(
             "/usr/bin/curl",
             ["-sS", "--cacert", self.h.caFile, "--tls-max", "1.1", *self.h.connectTo("api.github.com"),
              "https://api.github.com/user"],

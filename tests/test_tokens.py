@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 from twisted.trial import unittest
 
 from agentsandbox.config import TokenSource, githubRules
-from agentsandbox.tokens import TokenKeeper, TokenKeepers, checkToken, TokenError
+from agentsandbox.tokens import TokenError, TokenKeeper, TokenKeepers, checkToken
 from tests.support.inject_harness import LogCapture
 
 TOKEN = "ghu_" + "K33perT0ken" * 3 + "Q"

@@ -71,7 +71,7 @@ def notValidAfter(cert: x509.Certificate) -> datetime.datetime:
     aware = getattr(cert, "not_valid_after_utc", None)
     if isinstance(aware, datetime.datetime):
         return aware
-    return cert.not_valid_after.replace(tzinfo=datetime.timezone.utc)
+    return cert.not_valid_after.replace(tzinfo=datetime.UTC)
 
 
 def notValidBefore(cert: x509.Certificate) -> datetime.datetime:
@@ -79,4 +79,4 @@ def notValidBefore(cert: x509.Certificate) -> datetime.datetime:
     aware = getattr(cert, "not_valid_before_utc", None)
     if isinstance(aware, datetime.datetime):
         return aware
-    return cert.not_valid_before.replace(tzinfo=datetime.timezone.utc)
+    return cert.not_valid_before.replace(tzinfo=datetime.UTC)

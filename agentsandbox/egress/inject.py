@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol as TypingProtocol
+from typing import Any
+from typing import Protocol as TypingProtocol
 
 import h11
 from twisted.internet import defer, endpoints
@@ -245,7 +246,7 @@ class Injector:
                 self.ca.serverCreator(host), False, Factory(), self._reactor
             )
         tunnel = _Tunnel(self, route, tuple(addresses))
-        return TLSMemoryBIOProtocol(factory, tunnel)
+        return TLSMemoryBIOProtocol(factory, tunnel)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ upstream pool
 
@@ -272,14 +273,17 @@ class Injector:
                 return defer.fail(UpstreamError(host, f"cannot connect ({why})"))
             address = addresses[index]
             upstream = _Upstream(self, host, address)
-            tls = TLSMemoryBIOProtocol(factory, upstream)
-            d = endpoints.connectProtocol(self._dialer(address, HTTPS_PORT), tls)
+            tls = TLSMemoryBIOProtocol(factory, upstream)  # type: ignore[no-untyped-call]
+            d: defer.Deferred[Any] = endpoints.connectProtocol(  # type: ignore[no-untyped-call]
+                self._dialer(address, HTTPS_PORT), tls
+            )
 
             def failed(f: Failure) -> defer.Deferred[_Upstream]:
                 errors.append(f"{address}: {f.getErrorMessage()}")
                 return attempt(index + 1)
 
-            return d.addCallbacks(lambda _: upstream, failed)
+            result: defer.Deferred[_Upstream] = d.addCallbacks(lambda _: upstream, failed)
+            return result
 
         return attempt(0)
 
@@ -305,6 +309,9 @@ class Injector:
                 upstream.close()
         self._idle.clear()
         return defer.gatherResults(closing).addCallback(lambda _: None)
+
+
+_CLOSED = Failure(ConnectionError("connection closed"))  # type: ignore[no-untyped-call]
 
 
 class UpstreamError(Exception):
@@ -408,7 +415,7 @@ class _Tunnel(Protocol):
         else:
             self._timer = self._clock.callLater(max(timeout - idle, 1.0), self._checkIdle)
 
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+    def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._closed = True
         self._gone = True
         if self._timer is not None and self._timer.active():
@@ -443,7 +450,7 @@ class _Tunnel(Protocol):
         batch = self._batch
         while not self._closed:
             try:
-                event = conn.next_event()
+                event: Any = conn.next_event()
             except h11.RemoteProtocolError as e:
                 batch.clear()
                 self._badRequest(e)
@@ -502,9 +509,9 @@ class _Tunnel(Protocol):
         if method in _REFUSED_METHODS:
             self._refuse(405, f"{method.decode('ascii', 'replace')} is not forwarded through the sandbox's proxy")
             return False
-        target = request.target
-        if target[:1] != b"/":
-            target = self._originForm(target)
+        target: bytes | None = request.target
+        if request.target[:1] != b"/":
+            target = self._originForm(request.target)
             if target is None:
                 self._refuse(
                     400,
@@ -512,6 +519,7 @@ class _Tunnel(Protocol):
                     f"or https://{self._host}/path",
                 )
                 return False
+        assert target is not None
         headers: list[tuple[bytes, bytes]] = [(b"host", self._hostBytes)]
         own = self._route.headerName
         connection = upgrade = None
@@ -534,9 +542,9 @@ class _Tunnel(Protocol):
                 headers += [(b"connection", b"upgrade"), (b"upgrade", upgrade)]
         if chunked:
             headers.append((b"transfer-encoding", b"chunked"))
-        value = self._route.headerValue()
-        if value is not None:
-            headers.append((own, value))
+        injected = self._route.headerValue()
+        if injected is not None:
+            headers.append((own, injected))
         self._requestDone = False
         self._responseDone = False
         self._responseStarted = False
@@ -609,7 +617,7 @@ class _Tunnel(Protocol):
                 upstream.close()
         if self.transport is not None and not self._gone:
             if abort:
-                self.transport.abortConnection()
+                self.transport.abortConnection()  # type: ignore[attr-defined]
             else:
                 self.transport.loseConnection()
 
@@ -818,7 +826,7 @@ class _Upstream(Protocol):
         if not self._lost:
             self.transport.unregisterProducer()  # type: ignore[union-attr]
         if not tunnel._gone and tunnel.transport is not None:
-            tunnel.transport.unregisterProducer()
+            tunnel.transport.unregisterProducer()  # type: ignore[attr-defined]
 
     def reusable(self) -> bool:
         return self._connected and not self._lost and self._conn.our_state is h11.IDLE
@@ -878,7 +886,7 @@ class _Upstream(Protocol):
         tunnel = self._tunnel
         while True:
             try:
-                event = conn.next_event()
+                event: Any = conn.next_event()
             except h11.RemoteProtocolError as e:
                 self._lostWhy = f"answered with broken HTTP ({e})"
                 self.transport.abortConnection()  # type: ignore[union-attr]
@@ -898,9 +906,7 @@ class _Upstream(Protocol):
                     tunnel.upstreamEnd()
                     tunnel.continueAfterResponse()
                     tunnel = self._tunnel
-            elif event is h11.NEED_DATA or event is h11.PAUSED:
-                return
-            elif kind is h11.ConnectionClosed:
+            elif event is h11.NEED_DATA or event is h11.PAUSED or kind is h11.ConnectionClosed:
                 return
 
     def _switch(self, tunnel: _Tunnel | None) -> None:
@@ -913,7 +919,7 @@ class _Upstream(Protocol):
         if self._tunnel is not None:
             self._tunnel.transport.write(data)  # type: ignore[union-attr]
 
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+    def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._lost = True
         self.leaveIdle()
         if self._handshakeTimer is not None and self._handshakeTimer.active():

@@ -25,6 +25,7 @@ import ipaddress
 import secrets
 import socket
 from collections.abc import Iterable
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -97,7 +98,7 @@ class InjectionCA:
         names = tuple(dict.fromkeys(hosts))
         if not names:
             raise ValueError("a CA needs at least one injected host")
-        start = (now or datetime.datetime.now(datetime.timezone.utc)) - BACKDATE
+        start = (now or datetime.datetime.now(datetime.UTC)) - BACKDATE
         key = ec.generate_private_key(ec.SECP256R1())
         subject = _name(f"agentsandbox egress CA {label or socket.gethostname()}".strip())
         constraints = x509.NameConstraints(
@@ -197,9 +198,10 @@ class InjectionCA:
         return _HostServerCreator(self.serverContext(host))
 
 
-def _selectALPN(connection: SSL.Connection, offered: list[bytes]) -> bytes:
+def _selectALPN(connection: SSL.Connection, offered: list[bytes]) -> Any:
     # A client that offers only h2 gets no ALPN at all, which means HTTP/1.1.
-    return ALPN_HTTP11 if ALPN_HTTP11 in offered else SSL.NO_OVERLAPPING_PROTOCOLS  # type: ignore[no-any-return]
+    chosen: Any = ALPN_HTTP11 if ALPN_HTTP11 in offered else SSL.NO_OVERLAPPING_PROTOCOLS
+    return chosen  # type: ignore[no-any-return,unused-ignore]
 
 
 def _serverContext(
@@ -233,7 +235,7 @@ def upstreamCreator(
     system's roots when None), name checked with service-identity, HTTP/1.1."""
     options: IOpenSSLClientConnectionCreator = tssl.optionsForClientTLS(
         host,
-        trustRoot=trustRoot if trustRoot is not None else tssl.platformTrust(),
+        trustRoot=trustRoot if trustRoot is not None else tssl.platformTrust(),  # type: ignore[no-untyped-call]
         acceptableProtocols=[ALPN_HTTP11],
     )
     return options

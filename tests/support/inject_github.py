@@ -66,7 +66,7 @@ class TestPKI:
     def create(cls, name: str = "agentsandbox test upstream CA") -> TestPKI:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(subject)
@@ -95,7 +95,7 @@ class TestPKI:
         """Server TLS for ``names`` (ALPN http/1.1, which ALPN clients need on Twisted 26)."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = list(names)
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))

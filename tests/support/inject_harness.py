@@ -16,17 +16,14 @@ from typing import Any
 
 from cryptography import x509
 from twisted.internet import defer, endpoints, utils
-from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
-from twisted.internet.protocol import Protocol
-from zope.interface import implementer
-
-from agentsandbox.egress.compat import toX509
-from twisted.internet.interfaces import IListeningPort
-from twisted.internet.protocol import Factory
+from twisted.internet.interfaces import IListeningPort, IOpenSSLClientConnectionCreator
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
+from zope.interface import implementer
 
 from agentsandbox.config import GITHUB_HOSTS, InjectRule, githubRules
+from agentsandbox.egress.compat import toX509
 from agentsandbox.egress.inject import Injector, routesFor
 from agentsandbox.egress.tls import InjectionCA
 from tests.support.inject_github import (
