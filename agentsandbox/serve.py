@@ -124,31 +124,42 @@ def main(argv: list[str]) -> int:
 
 
 def _run(config: Config, configPath: str | None, env: dict[str, str] | None, upstream: ThreadingHTTPServer | None) -> int:
-    from twisted.internet import reactor
+    from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
+    from twisted.python.failure import Failure
 
     from agentsandbox.service import makeService
 
+    reactor: Any = installed
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
     service = makeService(config, reactor, configPath=configPath, environ=env)
-    failed: list[BaseException] = []
+    failed: list[str] = []
+
+    def notListening(f: Failure) -> None:
+        failed.append(f.getErrorMessage())
+        reactor.stop()
+
+    def showDemo(_: object) -> None:
+        if upstream is not None:
+            reactor.callInThread(_showDemo, config, upstream.server_address[1], reactor)
 
     def start() -> None:
         try:
             service.startService()
         except Exception as e:
-            failed.append(e)
-            reactor.stop()  # type: ignore[attr-defined]
+            failed.append(str(e))
+            reactor.stop()
             return
         d = service.listening
         if d is not None:
-            d.addErrback(lambda f: (failed.append(f.value), reactor.stop()))  # type: ignore[attr-defined]
-            if upstream is not None:
-                d.addCallback(lambda _: reactor.callInThread(_showDemo, config, upstream.server_address[1], reactor))  # type: ignore[attr-defined]
+            d.addCallbacks(showDemo, notListening)
 
-    reactor.callWhenRunning(start)  # type: ignore[attr-defined]
-    reactor.addSystemEventTrigger("before", "shutdown", lambda: service.stopService() if service.running else None)  # type: ignore[attr-defined]
-    reactor.run()  # type: ignore[attr-defined]
+    def stop() -> object:
+        return service.stopService() if service.running else None
+
+    reactor.callWhenRunning(start)
+    reactor.addSystemEventTrigger("before", "shutdown", stop)
+    reactor.run()
     if failed:
         print(f"agentsandbox: the service did not start: {failed[0]}", file=sys.stderr)
         return 1

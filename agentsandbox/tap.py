@@ -9,7 +9,7 @@ plugin cache: an install in a read-only location (the Nix store,
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 from twisted.application.service import IService, ServiceMaker
 from twisted.python import usage
@@ -23,7 +23,7 @@ class Options(usage.Options):
         "Run the agentsandbox service: the egress proxy, the broker, the token keepers, "
         "the config watcher and the audit log, in one reactor."
     )
-    optParameters = [
+    optParameters: ClassVar[list[list[Any]]] = [
         ["config", "c", None, "config file (default: $AGENTSANDBOX_CONFIG, the user's, the system's, built-in)"],
     ]
 
@@ -58,7 +58,7 @@ def runTwistd(argv: list[str] | None = None) -> None:
     from twisted.application import app
     from twisted.scripts import twistd
 
-    class ServerOptions(twistd.ServerOptions):  # type: ignore[misc]
+    class ServerOptions(twistd.ServerOptions):  # type: ignore[name-defined,misc]
         @staticmethod
         def _getPlugins(interface: Any) -> list[ServiceMaker]:
             return [serviceMaker]

@@ -207,6 +207,8 @@ class Injector:
         self.upstreamIdleTimeout = upstreamIdleTimeout
         self.handshakeTimeout = handshakeTimeout
         self.poolSize = poolSize
+        #: Requests sent upstream with the rule's header set, for ``status``.
+        self.injectedRequests = 0
         self._idle: dict[str, list[_Upstream]] = {}
         self._serverFactories: dict[str, Any] = {}
         self._clientFactories: dict[str, Any] = {}
@@ -545,6 +547,7 @@ class _Tunnel(Protocol):
         injected = self._route.headerValue()
         if injected is not None:
             headers.append((own, injected))
+            self._injector.injectedRequests += 1
         self._requestDone = False
         self._responseDone = False
         self._responseStarted = False

@@ -1,0 +1,226 @@
+"""The one reactor application: proxy, broker, token keepers, config watcher, audit log.
+
+``makeService(config, reactor=...)`` returns the ``MultiService`` that twistd,
+``agentsandbox serve`` and the tests run.  Every outside effect is injectable
+(the reactor and clock, the resolver and dialer the proxy reaches the world
+through, the upstream trust root, the peer check, ``/proc``), so the tests run
+the whole application against loopback fakes without a config backdoor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict
+from typing import Any
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.logger import Logger
+
+from agentsandbox.audit import AuditLog
+from agentsandbox.broker.server import BrokerService
+from agentsandbox.config import Config
+from agentsandbox.egress.interfaces import Dialer, IResolver
+from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService, tcpDialer
+from agentsandbox.policy import Policy
+from agentsandbox.reload import ConfigHolder, ConfigWatcher
+from agentsandbox.tokens import TokenKeepers
+
+log = Logger(namespace="agentsandbox.service")
+
+
+class CountingAudit:
+    """The audit log, counting every decision on its way through for ``status``."""
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+        self.events: Counter[str] = Counter()
+        self.bytesUp = 0
+        self.bytesDown = 0
+
+    def record(self, event: str, **fields: Any) -> dict[str, Any]:
+        self.events[event] += 1
+        up, down = fields.get("up"), fields.get("down")
+        if isinstance(up, int):
+            self.bytesUp += up
+        if isinstance(down, int):
+            self.bytesDown += down
+        return self.audit.record(event, **fields)
+
+    def close(self) -> None:
+        self.audit.close()
+
+
+class AgentSandbox(MultiService):
+    """The whole service.  Children start in order and stop in reverse:
+    the broker stops first (its in-flight requests are answered "broker
+    stopping"), then the proxy (listening stops, tunnels close), the token
+    keepers and the watcher."""
+
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        *,
+        configPath: str | None = None,
+        clock: Any = None,
+        resolver: IResolver | None = None,
+        dialer: Dialer | None = None,
+        peers: Any = None,
+        trustRoot: Any = None,
+        procDir: str = "/proc",
+        environ: dict[str, str] | None = None,
+        watchConfig: bool = True,
+        handleSignals: bool = True,
+    ) -> None:
+        super().__init__()
+        self.reactor = reactor
+        self.environ = dict(os.environ if environ is None else environ)
+        self.holder = ConfigHolder(config)
+        self.audit = CountingAudit(AuditLog.fromConfig(config))
+        self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
+        self.trustRoot = trustRoot
+        self._clock = clock
+
+        if watchConfig:
+            self.watcher: ConfigWatcher | None = ConfigWatcher(
+                self.holder, configPath, reactor, handleSignal=handleSignals
+            )
+            self.watcher.setServiceParent(self)
+        else:
+            self.watcher = None
+
+        self.tokens = TokenKeepers(config.inject, reactor, clock, self.environ)
+        self.tokens.setServiceParent(self)
+
+        self.injection = _Injection(config, self.tokens, self.dialer, reactor, trustRoot)
+        self.proxyFactory = EgressProxyFactory(
+            self.holder,
+            reactor,
+            resolver=resolver,
+            dialer=self.dialer,
+            peers=peers,
+            terminator=self.injection.injector,
+            audit=self.audit,  # type: ignore[arg-type]
+        )
+        self.proxy = ProxyService(self.proxyFactory)
+        self.proxy.setServiceParent(self)
+
+        self.broker = BrokerService(config, reactor=reactor, clock=clock, procDir=procDir, environ=self.environ)
+        self.broker.statusSources["proxy"] = self.proxyFigures
+        self.broker.statusSources["tokens"] = self.tokenFigures
+        self.broker.setServiceParent(self)
+
+        self.holder.subscribe(self._configChanged)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def startService(self) -> None:
+        config = self.holder.current
+        Policy.fromConfig(config, self.environ).mountPoints()
+        self.injection.writeEgressDir(config)
+        super().startService()
+
+    @inlineCallbacks
+    def stopService(self) -> Any:
+        yield super().stopService()
+        if self.injection.injector is not None:
+            yield self.injection.injector.closeIdle()
+        self.audit.close()
+
+    @property
+    def listening(self) -> Deferred[Any] | None:
+        """Fires with the proxy's listening port once it listens."""
+        return self.proxy.listening
+
+    # ------------------------------------------------------------------ reload
+
+    def _configChanged(self, old: Config, new: Config) -> None:
+        if new.inject != old.inject:
+            retired = self.tokens
+            self.tokens = TokenKeepers(new.inject, self.reactor, self._clock, self.environ)
+            self.tokens.setServiceParent(self)
+            self.injection.rebuild(new, self.tokens)
+            self.proxyFactory.terminator = self.injection.injector
+            self.injection.writeEgressDir(new)
+            retired.disownServiceParent()
+            log.info("config: inject rules reloaded for {hosts}", hosts=", ".join(h for r in new.inject for h in r.hosts) or "no host")
+        if new.broker != old.broker or new.scope != old.scope:
+            log.warn(
+                "config: [broker] and [scope] changes take effect when the service restarts "
+                "(systemctl --user restart agentsandbox)"
+            )
+
+    # ------------------------------------------------------------------ status
+
+    def proxyFigures(self) -> dict[str, Any]:
+        events = self.audit.events
+        return {
+            "listening": str(self.proxy.port.getHost()) if self.proxy.port is not None else None,
+            "openTunnels": len(self.proxyFactory.tunnels),
+            "tunnelsClosed": events["tunnel"],
+            "forwarded": events["forward"],
+            "refused": events["refused"] + events["peer"] + events["parse"],
+            "failed": events["failed"],
+            "bytesUp": self.audit.bytesUp,
+            "bytesDown": self.audit.bytesDown,
+            "injectedRequests": self.injection.requests(),
+        }
+
+    def tokenFigures(self) -> list[dict[str, Any]]:
+        return [dict(asdict(s), describe=s.describe()) for s in self.tokens.statuses()]
+
+
+class _Injection:
+    """The CA and the injector, rebuilt together when the inject rules change.
+
+    The CA is made in memory for exactly the injected hosts and never written
+    anywhere but its certificate; a new host set means a new CA, so the
+    egress dir is rewritten with it.
+    """
+
+    def __init__(self, config: Config, tokens: TokenKeepers, dialer: Dialer, reactor: Any, trustRoot: Any) -> None:
+        self.dialer = dialer
+        self.reactor = reactor
+        self.trustRoot = trustRoot
+        self.injector: Any = None
+        self.ca: Any = None
+        self.rebuild(config, tokens)
+
+    def rebuild(self, config: Config, tokens: TokenKeepers) -> None:
+        from agentsandbox.egress.inject import Injector, routesFor
+        from agentsandbox.egress.tls import InjectionCA
+
+        hosts = tuple(h for rule in config.inject for h in rule.hosts)
+        routes = routesFor(config.inject, lambda rule: tokens.keeperFor(rule.token))
+        if hosts and (self.ca is None or set(self.ca.hosts) != set(hosts)):
+            self.ca = InjectionCA.create(hosts)
+        if not hosts:
+            self.ca = None
+            self.injector = None
+        elif self.injector is None:
+            self.injector = Injector(self.ca, routes, self.dialer, self.reactor, trustRoot=self.trustRoot)
+        else:
+            self.injector.swap(self.ca, routes)
+
+    def writeEgressDir(self, config: Config) -> None:
+        from agentsandbox.egressdir import writeEgressDir
+
+        egress = config.paths.egressDir
+        if egress is None:
+            log.warn("no XDG_RUNTIME_DIR: the egress dir (CA bundle, gh config) is not written")
+            return
+        writeEgressDir(egress, self.ca.pem if self.ca is not None else b"")
+
+    def requests(self) -> int:
+        return self.injector.injectedRequests if self.injector is not None else 0
+
+
+def makeService(config: Config, reactor: Any = None, **kwargs: Any) -> AgentSandbox:
+    """The MultiService of the whole application (see ``AgentSandbox`` for the knobs)."""
+    if reactor is None:
+        from twisted.internet import reactor as defaultReactor
+
+        reactor = defaultReactor
+    return AgentSandbox(config, reactor, **kwargs)
