@@ -110,6 +110,33 @@ def _atomic(path: str, data: bytes) -> None:
         raise EgressDirError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+WRAPPERS = {"gpg": "gpg", "ssh-sign": "ssh-sign"}
+
+
+def writeWrappers(directory: str, exe: str) -> None:
+    """``gpg`` and ``ssh-sign`` scripts (0700) that run ``agentsandbox gpg|ssh-sign``.
+
+    git takes one program path for ``gpg.program`` and ``gpg.ssh.program``, so the
+    subcommand needs a script; inside the sandbox the command asks the broker to
+    sign, outside it runs the person's own gpg or ssh-keygen.
+    """
+    import shlex
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for name, command in WRAPPERS.items():
+        path = os.path.join(directory, name)
+        _atomic(path, f'#!/bin/sh\nexec {shlex.quote(exe)} {command} "$@"\n'.encode())
+        os.chmod(path, 0o700)
+
+
+def signingGitConfig(directory: str) -> list[tuple[str, str]]:
+    """git config pairs that sign through the wrappers ``writeWrappers`` made."""
+    return [
+        ("gpg.program", os.path.join(directory, "gpg")),
+        ("gpg.ssh.program", os.path.join(directory, "ssh-sign")),
+    ]
+
+
 def gitConfigVars(pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
     """``GIT_CONFIG_COUNT`` and ``GIT_CONFIG_KEY_n``/``VALUE_n`` for ``pairs``."""
     env = {"GIT_CONFIG_COUNT": str(len(pairs))}

@@ -263,11 +263,9 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
 def _egressVars(egressDir: str | None) -> dict[str, str]:
     if egressDir is None:
         return {}
-    try:
-        from agentsandbox.egressdir import egressVars
-    except ImportError:
-        return {}
-    exported: dict[str, str] = egressVars(egressDir)
+    from agentsandbox.egressdir import egressVars, signingGitConfig
+
+    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir))
     return exported
 
 

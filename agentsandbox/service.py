@@ -205,13 +205,15 @@ class _Injection:
             self.injector.swap(self.ca, routes)
 
     def writeEgressDir(self, config: Config) -> None:
-        from agentsandbox.egressdir import writeEgressDir
+        from agentsandbox.egressdir import writeEgressDir, writeWrappers
+        from agentsandbox.policy import executable
 
         egress = config.paths.egressDir
         if egress is None:
             log.warn("no XDG_RUNTIME_DIR: the egress dir (CA bundle, gh config) is not written")
             return
         writeEgressDir(egress, self.ca.pem if self.ca is not None else b"")
+        writeWrappers(egress, executable())
 
     def requests(self) -> int:
         return self.injector.injectedRequests if self.injector is not None else 0

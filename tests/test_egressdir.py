@@ -129,3 +129,25 @@ def test_envWithoutARuntimeDirAndBadArguments(tmp_path: Path) -> None:
     assert r.returncode == 1 and "XDG_RUNTIME_DIR" in r.stderr
     r = _cli("--bogus", env={"PATH": os.environ["PATH"]})
     assert r.returncode == 2 and "--bogus" in r.stderr
+
+
+def test_signing_wrappers_run_our_command(tmp_path: Path) -> None:
+    import subprocess
+
+    from agentsandbox.egressdir import signingGitConfig, writeWrappers
+
+    exe = tmp_path / "bin dir" / "fake agentsandbox"
+    exe.parent.mkdir()
+    exe.write_text('#!/bin/sh\necho "$@"\n')
+    exe.chmod(0o755)
+    egress = tmp_path / "egress"
+    writeWrappers(str(egress), str(exe))
+    for name, sub in (("gpg", "gpg"), ("ssh-sign", "ssh-sign")):
+        wrapper = egress / name
+        assert wrapper.stat().st_mode & 0o777 == 0o700
+        out = subprocess.run([str(wrapper), "--status-fd=2", "-bsau", "KEY"], capture_output=True, text=True, check=True)
+        assert out.stdout == f"{sub} --status-fd=2 -bsau KEY\n"
+    assert dict(signingGitConfig(str(egress))) == {
+        "gpg.program": str(egress / "gpg"),
+        "gpg.ssh.program": str(egress / "ssh-sign"),
+    }

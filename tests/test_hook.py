@@ -313,6 +313,17 @@ def test_sessionstart_exports_and_unsets(user: User, tmp_path: Path) -> None:
     for name in CREDENTIALS:
         assert f"unset {name}" in lines, name
     assert "unset KEEP_ME_TOKEN" not in lines
+    egress = user.runtime / "agentsandbox/egress"
+    assert f"export SSL_CERT_FILE={egress}/bundle.pem" in lines
+    assert f"export GH_CONFIG_DIR={egress}/gh" in lines
+    exported = dict(line[len("export ") :].split("=", 1) for line in lines if line.startswith("export "))
+    pairs = {
+        exported[f"GIT_CONFIG_KEY_{i}"]: exported[f"GIT_CONFIG_VALUE_{i}"]
+        for i in range(int(exported["GIT_CONFIG_COUNT"]))
+    }
+    assert pairs["gpg.program"] == f"{egress}/gpg"
+    assert pairs["gpg.ssh.program"] == f"{egress}/ssh-sign"
+    assert pairs["url.https://github.com/.insteadOf"] in ("git@github.com:", "ssh://git@github.com/")
     assert "unset EDITOR" not in lines
     text = "\n".join(lines)
     for value in CREDENTIALS.values():
