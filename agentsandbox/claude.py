@@ -30,7 +30,7 @@ RUNTIME_ROOT = "/run/user"
 #: Credential locations under home that also get permission deny rules: a second
 #: layer under the hook, which holds even if the hook cannot run.  A path the
 #: config re-allows explicitly is left out, so the two layers never disagree.
-CREDENTIAL_PATHS = (
+CREDENTIAL_DIRS = (
     ".ssh",
     ".gnupg",
     ".aws",
@@ -39,27 +39,19 @@ CREDENTIAL_PATHS = (
     ".config/gh",
     ".config/hub",
     ".kube",
+    ".password-store",
+    ".local/share/keyrings",
+)
+CREDENTIAL_FILES = (
     ".docker/config.json",
     ".netrc",
     ".git-credentials",
     ".npmrc",
     ".pypirc",
     ".vault-token",
-    ".password-store",
-    ".local/share/keyrings",
     ".claude/.credentials.json",
 )
-CREDENTIAL_FILES = frozenset(
-    {
-        ".docker/config.json",
-        ".netrc",
-        ".git-credentials",
-        ".npmrc",
-        ".pypirc",
-        ".vault-token",
-        ".claude/.credentials.json",
-    }
-)
+CREDENTIAL_PATHS = CREDENTIAL_DIRS + CREDENTIAL_FILES
 
 
 def render(policy: Policy) -> dict[str, Any]:
