@@ -98,15 +98,13 @@ def sandboxEnv(config: Config, policy: Policy, environ: Mapping[str, str]) -> di
 
 
 def sessionVars(policy: Policy) -> dict[str, str]:
-    """The per-user variables (policy's, and the egress dir's when that module is present)."""
+    """The per-user variables: the policy's, and the egress dir's (CA bundle, gh config,
+    git's gpg programs), exactly what the SessionStart hook gives Claude Code's Bash."""
+    from agentsandbox.egressdir import egressVars, signingGitConfig
+
     out = dict(policy.sessionVars())
     if policy.egress is not None:
-        try:
-            from agentsandbox.egressdir import egressVars  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            pass
-        else:
-            out.update(egressVars(policy.egress))
+        out.update(egressVars(policy.egress, signingGitConfig(policy.egress)))
     return out
 
 
