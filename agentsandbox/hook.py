@@ -171,9 +171,26 @@ def _policy(environ: Mapping[str, str]) -> tuple[Policy, str]:
         ) from None
 
 
+def _linkNote(policy: Policy, path: str, cwd: str) -> str:
+    """`` (a link to TARGET)`` when symlinks take ``path`` elsewhere: the target is what was refused."""
+    from agentsandbox.policy import resolve
+
+    literal = path
+    if path == "~":
+        literal = policy.home
+    elif path.startswith("~/"):
+        literal = os.path.join(policy.home, path[2:])
+    plain = os.path.normpath(os.path.join(cwd, literal))
+    if plain.startswith("//"):
+        plain = "/" + plain.lstrip("/")
+    real = resolve(path, cwd, policy.home)
+    return "" if real == plain else f" (a link to {real})"
+
+
 def _refuse(policy: Policy, source: str, path: str, shown: str, cwd: str, mode: str) -> str:
     denied = policy.deniedBy(path, cwd)
     where = f" in {source}" if source.startswith("/") else ""
+    shown += _linkNote(policy, path, cwd)
     if denied is not None:
         return (
             f"agentsandbox refused to {mode} {shown}: it is inside {denied}, which sandbox.deny "
