@@ -187,13 +187,48 @@ class ManagedSettingsGuard:
     and says what to do.
     """
 
+    #: Test runs in other processes (another module, another checkout) take
+    #: /etc/claude-code one at a time: each waits for this lock first.
+    LOCK = Path("/tmp/agentsandbox-claude-e2e.lock")
+    LOCK_WAIT = 900.0
+
     def __init__(self, root: Path = MANAGED_ROOT) -> None:
         self.root = root
         self.backup = root.with_name(root.name + ".agentsandbox-e2e-saved")
         self.before: list[tuple[str, str, int, int, int, str]] = []
         self.existed = False
+        self._lock = -1
+
+    def _acquire(self) -> None:
+        import fcntl
+
+        self._lock = os.open(self.LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + self.LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self._lock)
+                    self._lock = -1
+                    pytest.fail(f"another test run held {self.LOCK} (and {self.root}) for {self.LOCK_WAIT}s")
+                time.sleep(0.2)
+
+    def _release(self) -> None:
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
     def __enter__(self) -> ManagedSettingsGuard:
+        self._acquire()
+        try:
+            return self._enter()
+        except BaseException:
+            self._release()
+            raise
+
+    def _enter(self) -> ManagedSettingsGuard:
         if os.path.lexists(self.backup):
             pytest.fail(
                 f"{self.backup} exists: an earlier test run did not restore {self.root}. "
@@ -206,15 +241,18 @@ class ManagedSettingsGuard:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if os.path.lexists(self.root):
-            if self.root.is_dir() and not self.root.is_symlink():
-                shutil.rmtree(self.root)
-            else:
-                os.unlink(self.root)
-        if self.existed:
-            os.rename(self.backup, self.root)
-        after = treeSnapshot(self.root)
-        assert after == self.before, f"{self.root} was not restored exactly"
+        try:
+            if os.path.lexists(self.root):
+                if self.root.is_dir() and not self.root.is_symlink():
+                    shutil.rmtree(self.root)
+                else:
+                    os.unlink(self.root)
+            if self.existed:
+                os.rename(self.backup, self.root)
+            after = treeSnapshot(self.root)
+            assert after == self.before, f"{self.root} was not restored exactly"
+        finally:
+            self._release()
 
 
 @contextmanager
