@@ -256,15 +256,8 @@ class Ping:
         return defer.succeed(Reply())
 
 
-class Status:
+class Status(Ping):
     name = "status"
-
-    def validate(self, request: Request, config: Config) -> _NoPlan:
-        _noArgs(request)
-        return _NoPlan()
-
-    def originKeys(self, plan: Any) -> tuple[str, ...]:
-        return ()
 
     def perform(self, plan: Any, call: Call, host: Host) -> Deferred[Reply]:
         body = json.dumps(host.status(), sort_keys=True, indent=1) + "\n"
