@@ -15,8 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
@@ -82,6 +83,11 @@ class AgentSandbox(MultiService):
         self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
         self.trustRoot = trustRoot
         self._clock = clock
+        #: Why the proxy could not listen (None while it listens or has not tried).
+        self.startFailure: str | None = None
+        self._listeningPort: Any = None
+        self._listeningFailure: Failure | None = None
+        self._listeningWaiters: list[Deferred[Any]] = []
 
         if watchConfig:
             self.watcher: ConfigWatcher | None = ConfigWatcher(
@@ -120,7 +126,34 @@ class AgentSandbox(MultiService):
         config = self.holder.current
         Policy.fromConfig(config, self.environ).mountPoints()
         self.injection.writeEgressDir(config)
+        self.startFailure = None
+        self._listeningPort = None
+        self._listeningFailure = None
         super().startService()
+        if self.proxy.listening is not None:
+            self.proxy.listening.addCallbacks(self._listened, self._notListening)
+
+    def _listened(self, port: Any) -> None:
+        self._listeningPort = port
+        waiters, self._listeningWaiters = self._listeningWaiters, []
+        for d in waiters:
+            d.callback(port)
+
+    def _notListening(self, failure: Failure) -> None:
+        # Said here, once, whoever runs the service: under twistd nobody else
+        # would (the Deferred's error would surface only at garbage collection,
+        # leaving a service that answers the broker but proxies nothing).
+        endpoint = self.proxy.endpoint or self.holder.current.proxy.endpoint
+        self.startFailure = (
+            f"the egress proxy cannot listen on {endpoint}: {failure.getErrorMessage()} "
+            "(another agentsandbox running? change proxy.port or proxy.listen in "
+            f"{self.holder.current.source})"
+        )
+        log.critical("{why}", why=self.startFailure)
+        self._listeningFailure = failure
+        waiters, self._listeningWaiters = self._listeningWaiters, []
+        for d in waiters:
+            d.errback(failure)
 
     @inlineCallbacks
     def stopService(self) -> Any:
@@ -130,9 +163,15 @@ class AgentSandbox(MultiService):
         self.audit.close()
 
     @property
-    def listening(self) -> Deferred[Any] | None:
-        """Fires with the proxy's listening port once it listens."""
-        return self.proxy.listening
+    def listening(self) -> Deferred[Any]:
+        """A new Deferred per caller: the proxy's listening port, or why it cannot listen."""
+        if self._listeningPort is not None:
+            return succeed(self._listeningPort)
+        if self._listeningFailure is not None:
+            return fail(self._listeningFailure)
+        d: Deferred[Any] = Deferred()
+        self._listeningWaiters.append(d)
+        return d
 
     # ------------------------------------------------------------------ reload
 

@@ -42,7 +42,17 @@ def makeService(options: Options) -> IService:
         config = load(options["config"])
     except ConfigError as e:
         raise usage.UsageError(str(e)) from None
-    return make(config, reactor=reactor, configPath=None if config.source.startswith("<") else config.source)
+    service = make(config, reactor=reactor, configPath=None if config.source.startswith("<") else config.source)
+    # A proxy that cannot listen stops the process (the service has said why),
+    # so systemd's Restart=on-failure and the journal see it, rather than a
+    # half-running service.
+    service.listening.addErrback(lambda _: reactor.callWhenRunning(reactor.stop))
+    _made.append(service)
+    return service
+
+
+#: The services this process made, so the runner can exit non-zero when one failed to start.
+_made: list[Any] = []
 
 
 serviceMaker = ServiceMaker(
@@ -66,3 +76,6 @@ def runTwistd(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv[1:] = argv
     app.run(twistd.runApp, ServerOptions)
+    # The reason is in the log already (twistd owns stderr by now).
+    if any(s.startFailure for s in _made):
+        sys.exit(1)
