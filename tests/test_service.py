@@ -367,3 +367,32 @@ class ReloadTests(ServiceCase):
         assert t.transport is not None
         t.transport.loseConnection()
         await t.closed
+
+
+class StartFailureTests(ServiceCase):
+    @asyncTest
+    async def test_aProxyThatCannotListenSaysWhyAndWhichKey(self) -> None:
+        from twisted.internet.error import CannotListenError
+
+        await self.stopService()
+        # The port the first service listened on is free again; squat it.
+        squatter = reactor.listenTCP(self.proxyPort, Factory.forProtocol(Protocol), interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(squatter.stopListening)
+        with open(self.configPath) as f:
+            text = f.read()
+        with open(self.configPath, "w") as f:
+            f.write(text.replace('"tcp:0:interface=127.0.0.1"', f'"tcp:{self.proxyPort}:interface=127.0.0.1"'))
+        self.config = load(self.configPath, self.env)
+        self.service = self.makeService()
+        self.service.startService()
+        with self.assertRaises(CannotListenError):
+            await self.service.listening
+        failure = self.service.startFailure
+        assert failure is not None
+        self.assertIn(f"tcp:{self.proxyPort}:interface=127.0.0.1", failure)
+        self.assertIn(f"proxy.listen in {self.configPath}", failure)
+        # Asked again later, it says the same at once.
+        with self.assertRaises(CannotListenError):
+            await self.service.listening
+        await self.service.broker.ready
+        await self.service.stopService()

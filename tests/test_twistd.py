@@ -256,3 +256,30 @@ def test_readOnlyInstallPlainTwistdAsAnotherUser(readOnlySite: Site) -> None:
     warned = [ln for ln in output.splitlines() if CACHE_WORDS.search(ln)]
     print("plain twistd about the plugin cache:", *warned, sep="\n  ")
     assert any(os.path.join(site.site, "twisted", "plugins", "dropin.cache") in ln for ln in warned), output
+
+
+def test_aBusyPortStopsTheServiceAndSaysWhy(site: Site) -> None:
+    """A proxy that cannot listen must not leave a broker-only service running."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        busy = squatter.getsockname()[1]
+        config = writeConfig(
+            os.path.join(site.base, "busy.toml"), [f"127.0.0.1:{site.hello.port}"], listen=f"tcp:{busy}:interface=127.0.0.1"
+        )
+        for argv, code in (
+            ([*runnerArgv(), "--nodaemon", "--pidfile=", "--logfile=-", "agentsandbox", "--config", config], 1),
+            # Plain twistd has no way to set its exit code; it stops all the same.
+            ([*twistdArgv(), "--nodaemon", "--pidfile=", "--logfile=-", "agentsandbox", "--config", config], 0),
+            ([*serveArgv(), "--config", config], 1),
+        ):
+            service = site.start(argv)
+            try:
+                assert service.proc.wait(60) == code, service.output()
+            finally:
+                service.kill()
+            output = service.output()
+            assert f"cannot listen on tcp:{busy}:interface=127.0.0.1" in output, output
+            assert f"proxy.listen in {config}" in output, output
