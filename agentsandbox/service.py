@@ -195,15 +195,18 @@ class AgentSandbox(MultiService):
 
     def proxyFigures(self) -> dict[str, Any]:
         events = self.audit.events
+        # Closed tunnels are counted from their audit records; open ones live,
+        # so a long clone shows its bytes while it runs.
+        open_ = list(self.proxyFactory.tunnels)
         return {
             "listening": str(self.proxy.port.getHost()) if self.proxy.port is not None else None,
-            "openTunnels": len(self.proxyFactory.tunnels),
+            "openTunnels": len(open_),
             "tunnelsClosed": events["tunnel"],
             "forwarded": events["forward"],
             "refused": events["refused"] + events["peer"] + events["parse"],
             "failed": events["failed"],
-            "bytesUp": self.audit.bytesUp,
-            "bytesDown": self.audit.bytesDown,
+            "bytesUp": self.audit.bytesUp + sum(t.up for t in open_),
+            "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),
             "injectedRequests": self.injection.requests(),
         }
 
