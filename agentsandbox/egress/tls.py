@@ -235,7 +235,7 @@ def upstreamCreator(
     system's roots when None), name checked with service-identity, HTTP/1.1."""
     options: IOpenSSLClientConnectionCreator = tssl.optionsForClientTLS(
         host,
-        trustRoot=trustRoot if trustRoot is not None else tssl.platformTrust(),  # type: ignore[no-untyped-call]
+        trustRoot=trustRoot if trustRoot is not None else tssl.platformTrust(),  # type: ignore[no-untyped-call,unused-ignore]
         acceptableProtocols=[ALPN_HTTP11],
     )
     return options
