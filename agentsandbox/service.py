@@ -30,6 +30,9 @@ from agentsandbox.tokens import TokenKeepers
 
 log = Logger(namespace="agentsandbox.service")
 
+#: Seconds a host command gets between SIGTERM and SIGKILL when the service stops.
+STOP_GRACE = 2.0
+
 
 class CountingAudit:
     """The audit log, counting every decision on its way through for ``status``."""
@@ -157,7 +160,15 @@ class AgentSandbox(MultiService):
 
     @inlineCallbacks
     def stopService(self) -> Any:
-        yield super().stopService()
+        # A stopping broker waits for its host commands; one that ignores
+        # SIGTERM (or gets it between fork and exec, where Twisted's handler
+        # still eats it) would hold the stop for the whole killDelay.
+        host = self.broker.host
+        killDelay, host.killDelay = host.killDelay, min(host.killDelay, STOP_GRACE)
+        try:
+            yield super().stopService()
+        finally:
+            host.killDelay = killDelay
         if self.injection.injector is not None:
             yield self.injection.injector.closeIdle()
         self.audit.close()
