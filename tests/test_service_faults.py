@@ -121,7 +121,8 @@ def refusedHead(proxyPort: int, host: str, port: int) -> str:
 # --------------------------------------------------------------------------- SIGHUP
 
 
-def test_sighupReloadKeepsOpenTunnelsAndRefusesNewOnes(world: World) -> None:
+@pytest.mark.parametrize("runner", [False, True], ids=["serve", "agentsandbox-twistd"])
+def test_sighupReloadKeepsOpenTunnelsAndRefusesNewOnes(world: World, runner: bool) -> None:
     # The config is a symlink into another directory, as home-manager, a Nix
     # store path or /etc alternatives make it: the watcher sees nothing when
     # the target changes, so only SIGHUP can cause the reload seen below.
@@ -133,7 +134,7 @@ def test_sighupReloadKeepsOpenTunnelsAndRefusesNewOnes(world: World) -> None:
     config = os.path.join(linked, "config.toml")
     os.symlink(target, config)
 
-    service = world.serve(config)
+    service = world.serve(config, runner=runner)
     try:
         port = service.proxyPort()
         service.brokerServing()
@@ -215,6 +216,45 @@ def test_sigtermStopsWithinFiveSecondsWithTunnelsAndARequestInFlight(world: Worl
     finally:
         for t in tunnels:
             t.close()
+        service.kill()
+
+
+STUBBORN = """\
+[broker.run.stubborn]
+argv = ["/bin/sh", "-c", 'trap "" TERM; echo started; i=0; while [ ! -e "$1" ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done', "stubborn"]
+args = ["/tmp/[A-Za-z0-9._/-]+"]
+stream = false
+"""
+
+
+def test_sigtermStopsWithinFiveSecondsWhenAHostCommandIgnoresIt(world: World) -> None:
+    config = writeConfig(os.path.join(world.base, "config.toml"), [f"127.0.0.1:{world.echo.port}"], extra=STUBBORN)
+    service = world.serve(config)
+    try:
+        service.proxyPort()
+        service.brokerServing()
+        answers: list[BaseException | object] = []
+
+        def inFlight() -> None:
+            try:
+                answers.append(client.ask("run", world.dirs.spool, 30.0, args=("stubborn", world.gate)))
+            except BaseException as e:
+                answers.append(e)
+
+        asker = threading.Thread(target=inFlight, daemon=True)
+        asker.start()
+        commands = waitFor(lambda: hostCommandsOf(service.pid), 20.0, "the host command to start")
+        # Past fork and exec: the shell has set its trap and runs its loop.
+        waitFor(lambda: any(hostCommandsOf(c) for c in commands), 20.0, "the shell's loop to run")
+        seconds = service.terminate(bound=SIGTERM_BOUND)
+        print(f"serve stopped {seconds:.3f}s after SIGTERM with a host command that ignores SIGTERM")
+        assert service.proc.returncode == 0, service.output()
+        asker.join(30.0)
+        (answer,) = answers
+        assert isinstance(answer, client.BrokerError) and str(answer) == STOPPING, answer
+        for pid in commands:
+            assert not os.path.exists(f"/proc/{pid}"), "the host command was killed and reaped"
+    finally:
         service.kill()
 
 
