@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 
 from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
-from agentsandbox.config import Config
+from agentsandbox.config import Config, load
 from agentsandbox.egress.interfaces import Dialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService, tcpDialer
 from agentsandbox.policy import Policy
@@ -93,8 +93,14 @@ class AgentSandbox(MultiService):
         self._listeningWaiters: list[Deferred[Any]] = []
 
         if watchConfig:
+            # Reloads read the file with the service's environment (home, XDG
+            # dirs), the one the first load used, not whatever the process has.
             self.watcher: ConfigWatcher | None = ConfigWatcher(
-                self.holder, configPath, reactor, handleSignal=handleSignals
+                self.holder,
+                configPath,
+                reactor,
+                loader=lambda: load(configPath, self.environ),
+                handleSignal=handleSignals,
             )
             self.watcher.setServiceParent(self)
         else:
@@ -196,10 +202,25 @@ class AgentSandbox(MultiService):
             self.injection.writeEgressDir(new)
             retired.disownServiceParent()
             log.info("config: inject rules reloaded for {hosts}", hosts=", ".join(h for r in new.inject for h in r.hosts) or "no host")
-        if new.broker != old.broker or new.scope != old.scope:
+        if new.sandbox != old.sandbox or new.paths != old.paths:
+            # The broker's own check (a host command's cwd must be readable)
+            # follows the file at once: a narrowed policy must not wait for a restart.
+            self.broker.host.policy = Policy.fromConfig(new, self.environ)
+        pending = [
+            name
+            for name, changed in (
+                ("[broker]", new.broker != old.broker),
+                ("[scope]", new.scope != old.scope),
+                ("proxy.port/proxy.listen", new.proxy.endpoint != old.proxy.endpoint),
+                ("[audit]", new.audit != old.audit),
+            )
+            if changed
+        ]
+        if pending:
             log.warn(
-                "config: [broker] and [scope] changes take effect when the service restarts "
-                "(systemctl --user restart agentsandbox)"
+                "config: {what} changes take effect when the service restarts "
+                "(systemctl --user restart agentsandbox)",
+                what=", ".join(pending),
             )
 
     # ------------------------------------------------------------------ status
