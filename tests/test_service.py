@@ -123,9 +123,11 @@ class ServiceCase(unittest.TestCase):
             "XDG_RUNTIME_DIR": os.path.join(self.base, "run"),
             "XDG_STATE_HOME": os.path.join(self.base, "state"),
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            # Not /tmp, which the policy opens as the temp dir and which holds base.
+            "TMPDIR": os.path.join(self.base, "tmp"),
             TOKEN_VAR: TOKEN,
         }
-        for d in ("home", "run"):
+        for d in ("home", "run", "tmp"):
             os.makedirs(os.path.join(self.base, d), mode=0o700)
 
         self.echoPort = yield self.listen(Factory.forProtocol(Echo))
@@ -399,3 +401,45 @@ class StartFailureTests(ServiceCase):
             await self.service.listening
         await self.service.broker.ready
         await self.service.stopService()
+
+
+class ReloadScopeTests(ServiceCase):
+    """What a reload changes at once, and what it says needs a restart."""
+
+    async def rewrite(self, old: str, new: str) -> None:
+        with open(self.configPath) as f:
+            text = f.read()
+        assert old in text, old
+        with open(self.configPath + ".new", "w") as f:
+            f.write(text.replace(old, new))
+        watcher = self.service.watcher
+        assert watcher is not None
+        before = watcher.reloads
+        os.rename(self.configPath + ".new", self.configPath)
+        await until(lambda: watcher.reloads > before, what="the reload")
+
+    @asyncTest
+    async def test_aNarrowedReadListReachesTheBrokerAtOnce(self) -> None:
+        project = os.path.join(self.env["HOME"], "project")
+        os.makedirs(project)
+        await self.rewrite("[sandbox]\n", '[sandbox]\nread = ["~/project"]\n')
+        policy = self.service.broker.host.policy
+        self.assertTrue(policy.readable(project, project))
+        # The reload read the file with the service's environment: ~ is its HOME.
+        self.assertEqual(self.service.holder.current.paths, self.config.paths)
+        await self.rewrite('read = ["~/project"]\n', "")
+        self.assertFalse(self.service.broker.host.policy.readable(project, project))
+
+    @asyncTest
+    async def test_whatNeedsARestartIsSaid(self) -> None:
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        await self.rewrite('listen = "tcp:0:interface=127.0.0.1"', 'listen = "tcp:0:interface=127.0.0.2"')
+        (warning,) = [e for e in events if e.get("log_namespace") == "agentsandbox.service" and "restarts" in e["log_format"]]
+        self.assertEqual(warning["what"], "proxy.port/proxy.listen")
+        # The proxy keeps its port until then.
+        answer = await exchange(self.proxyPort, b"CONNECT example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(answer.startswith(b"HTTP/1.1 403"), answer)
