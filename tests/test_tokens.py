@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import shutil
 import tempfile
 from typing import Any
 
@@ -18,8 +19,8 @@ from tests.support.inject_harness import LogCapture
 TOKEN = "ghu_" + "K33perT0ken" * 3 + "Q"
 
 
-def script(body: str) -> str:
-    fd, path = tempfile.mkstemp(prefix="token-", suffix=".sh")
+def script(body: str, directory: str | None = None) -> str:
+    fd, path = tempfile.mkstemp(prefix="token-", suffix=".sh", dir=directory)
     with os.fdopen(fd, "w") as f:
         f.write("#!/bin/sh\n" + body + "\n")
     os.chmod(path, 0o700)
@@ -35,6 +36,7 @@ class KeeperTests(unittest.TestCase):
         self.logs.start()
         self.addCleanup(self.logs.stop)
         self.state = tempfile.mkdtemp(prefix="token-state-")
+        self.addCleanup(shutil.rmtree, self.state, True)
 
     def keeper(self, source: TokenSource, **kw: Any) -> TokenKeeper:
         k = TokenKeeper(source, reactor, clock=self.clock, hosts=("api.github.com",), **kw)
@@ -42,7 +44,7 @@ class KeeperTests(unittest.TestCase):
         return k
 
     def commandSource(self, body: str, **kw: Any) -> TokenSource:
-        path = script(body)
+        path = script(body, self.state)
         self.addCleanup(os.unlink, path)
         return TokenSource(command=(path,), **kw)
 
