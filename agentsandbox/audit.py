@@ -42,6 +42,10 @@ FIELDS = (
 )
 
 
+#: One encoder for every record (json.dumps with options builds a new one per call).
+_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+
+
 class AuditLog:
     """Appends JSON lines to ``path``, rotating at ``maxBytes`` and keeping ``keep`` old files."""
 
@@ -60,7 +64,7 @@ class AuditLog:
         self.keep = keep
         self._now = wallClock
         self._journal = journal
-        self._file: Any = None
+        self._fd: int | None = None
         self._size = 0
 
     @classmethod
@@ -70,9 +74,10 @@ class AuditLog:
 
     def _open(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
-        self._size = os.fstat(fd).st_size
+        # One unbuffered O_APPEND write per record: a line is on disk (or in the
+        # page cache) when record() returns, and lines never interleave.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._size = os.fstat(self._fd).st_size
 
     def _rotate(self) -> None:
         self.close()
@@ -91,31 +96,31 @@ class AuditLog:
             value = fields.get(name)
             if value is not None:
                 rec[name] = value if isinstance(value, int | float | bool) else str(value)
-        line = json.dumps(rec, ensure_ascii=True, separators=(",", ":")) + "\n"
+        line = (_ENCODER.encode(rec) + "\n").encode("ascii")
         try:
-            if self._file is None:
+            if self._fd is None:
                 self._open()
             if self._size and self._size + len(line) > self.maxBytes:
                 self._rotate()
                 self._open()
-            self._file.write(line)
-            self._file.flush()
+            assert self._fd is not None
+            os.write(self._fd, line)
             self._size += len(line)
         except OSError as e:
             # The proxy must keep deciding even when the disk is full; the
             # journal line below still carries the decision.
             self.log.error("audit log {path} not written: {why}", path=self.path, why=e.strerror or str(e))
             self.close()
-        if self._journal:
+        if self._journal and event not in ("tunnel", "forward"):
+            # The journal gets what an operator must see (refusals and failures);
+            # allowed traffic is in the file, for `agentsandbox log`.
             self.log.info("{line}", line=journalLine(rec))
         return rec
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            finally:
-                self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 def journalLine(rec: dict[str, Any]) -> str:
@@ -148,7 +153,7 @@ def readRecords(path: str, keep: int = 9) -> Iterator[dict[str, Any]]:
     files = [f"{path}.{i}" for i in range(keep, 0, -1)] + [path]
     for name in files:
         try:
-            f = open(name, encoding="utf-8", errors="replace")
+            f = open(name, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed below)
         except OSError:
             continue
         with f:

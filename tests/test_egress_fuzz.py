@@ -38,6 +38,7 @@ def drive(chunks: list[bytes]) -> tuple[bytes, bool]:
     """Feed ``chunks`` to a fresh front door; returns (bytes written, closed)."""
     clock = Clock()
     factory = EgressProxyFactory(CONFIG, clock, resolver=RESOLVER, dialer=lambda ip, port: RefusingEndpoint(), peers=AllowAllPeers())
+    factory.doStart()
     door = factory.buildProtocol(None)
     transport = HalfCloseTransport()
     door.makeConnection(transport)
@@ -46,9 +47,10 @@ def drive(chunks: list[bytes]) -> tuple[bytes, bool]:
             break
         door.dataReceived(chunk)
     if not transport.disconnecting:
-        clock.advance(5)  # the header timeout
+        clock.advance(6)  # past the header timeout (the sweep runs every 1.25 s here)
     closed = transport.disconnecting
     door.connectionLost(Failure(ConnectionDone()))
+    factory.doStop()
     clock.advance(60)
     return transport.value(), closed
 

@@ -84,6 +84,10 @@ _NLMSG_HEADER = struct.Struct("=IHHII")
 # inet_diag_msg: family, state, timer, retrans, sockid (48 bytes), expires,
 # rqueue, wqueue, then the uid we want.
 _UID_OFFSET = _NLMSG_HEADER.size + 4 + 48 + 12
+# nlmsghdr, then inet_diag_req_v2: family, protocol, ext, pad, states, and the
+# socket id: ports (network order), addresses (16 bytes each), interface, cookie.
+# Ports go in network order: htons() them into a native-order field.
+_REQUEST = struct.Struct("=IHHIIBBBxIHH16s16sIII")
 
 
 class SockDiag:
@@ -98,23 +102,23 @@ class SockDiag:
 
     def uidOf(self, local: tuple[str, int], remote: tuple[str, int]) -> int | None:
         """The uid owning the socket bound to ``local`` connected to ``remote``."""
-        lip = ipaddress.ip_address(local[0].split("%", 1)[0])
-        rip = ipaddress.ip_address(remote[0].split("%", 1)[0])
-        if lip.version != rip.version:
+        lhost, rhost = local[0].split("%", 1)[0], remote[0].split("%", 1)[0]
+        six = ":" in lhost
+        if six != (":" in rhost):
             return None
-        family = socket.AF_INET if lip.version == 4 else socket.AF_INET6
-        pad = b"\0" * (16 - len(lip.packed))
-        sockid = (
-            struct.pack("!HH", local[1], remote[1])
-            + lip.packed + pad + rip.packed + pad
-            + struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)
-        )
-        body = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
+        family = socket.AF_INET6 if six else socket.AF_INET
+        try:
+            lpacked = socket.inet_pton(family, lhost).ljust(16, b"\0")
+            rpacked = socket.inet_pton(family, rhost).ljust(16, b"\0")
+        except OSError:
+            return None
         self._seq = (self._seq + 1) & 0xFFFFFFFF
-        header = _NLMSG_HEADER.pack(
-            _NLMSG_HEADER.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, self._seq, 0
-        )
-        self._sock.send(header + body)
+        message = _REQUEST.pack(
+            _REQUEST.size, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, self._seq, 0,
+            family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF,
+            socket.htons(local[1]), socket.htons(remote[1]), lpacked, rpacked, 0, 0xFFFFFFFF, 0xFFFFFFFF,
+        )  # fmt: skip
+        self._sock.send(message)
         while True:
             reply = self._sock.recv(8192)
             _length, kind, _flags, seq, _pid = _NLMSG_HEADER.unpack_from(reply)

@@ -31,7 +31,6 @@ from twisted.internet.endpoints import (
     HostnameEndpoint,
     TCP4ClientEndpoint,
     TCP6ClientEndpoint,
-    connectProtocol,
     serverFromString,
 )
 from twisted.internet.interfaces import (
@@ -50,16 +49,23 @@ from agentsandbox.config import Config
 from agentsandbox.egress.interfaces import Dialer, IResolver, ITerminator
 from agentsandbox.egress.peer import PeerChecker, SameUserPeers
 from agentsandbox.egress.resolve import (
+    HostDecision,
     ResolveError,
     SystemResolver,
     decideAddresses,
     decideHost,
 )
-from agentsandbox.egress.rules import IPAddress, classifyAddress, suggestEntry, unwrapMapped
+from agentsandbox.egress.rules import AddressDecision, AllowList, IPAddress, classifyAddress, suggestEntry, unwrapMapped
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol
 from agentsandbox.reload import ConfigHolder, asHolder
 
 SOCKS_VERSION = 0x05
+
+#: Most remembered host and address decisions (cleared when full or on reload).
+DECISION_CACHE = 4096
+
+#: Bytes a tunnel moves on Twisted's copy loop before splice(2) takes it over.
+ZERO_COPY_AFTER = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ class FrontDoor(Protocol):
         self.terminated: IProtocol | None = None
         self.awaiting = False
         self.pendingEOF = False
-        self._headerTimer: Any = None
+        self.headerDeadline: float | None = None
 
     # -------------------------------------------------------------- connection
     def connectionMade(self) -> None:
@@ -147,18 +153,15 @@ class FrontDoor(Protocol):
         self.armHeaderTimer()
 
     def armHeaderTimer(self) -> None:
-        self.cancelHeaderTimer()
-        self._headerTimer = self.factory.reactor.callLater(
-            self.config.proxy.header_timeout, self._headerTimeout
-        )
+        # A deadline the factory's sweep checks, not a DelayedCall per
+        # connection: most heads arrive in the first segment.
+        self.headerDeadline = self.factory.reactor.seconds() + self.config.proxy.header_timeout
 
     def cancelHeaderTimer(self) -> None:
-        if self._headerTimer is not None and self._headerTimer.active():
-            self._headerTimer.cancel()
-        self._headerTimer = None
+        self.headerDeadline = None
 
     def _headerTimeout(self) -> None:
-        self._headerTimer = None
+        self.headerDeadline = None
         self.parseError(
             "http" if self.handler is None else self.handler.kind if hasattr(self.handler, "kind") else "socks",
             f"no complete request within {self.config.proxy.header_timeout:g}s (proxy.header_timeout)",
@@ -245,7 +248,6 @@ class FrontDoor(Protocol):
         self.cancelHeaderTimer()
         self.awaiting = True
         factory = self.factory
-        d = factory.decide(self.config, host, port, reserve=True)
 
         def onGrant(grant: Grant) -> Deferred[Any] | None:
             if self.gone:
@@ -260,10 +262,8 @@ class FrontDoor(Protocol):
                 lambda f: self._dialFailed(kind, grant, f, refused),
             )
 
-        def onRefusal(f: Failure) -> None:
-            f.trap(RefusalError)
+        def onRefusal(r: Refusal) -> None:
             self.awaiting = False
-            r: Refusal = f.value.refusal
             factory.record(
                 "refused",
                 kind=kind,
@@ -277,8 +277,26 @@ class FrontDoor(Protocol):
             if not self.gone:
                 refused(r)
 
-        d.addCallbacks(onGrant, onRefusal)
-        d.addErrback(self._bug)
+        def onRefusalFailure(f: Failure) -> None:
+            f.trap(RefusalError)
+            onRefusal(f.value.refusal)
+
+        try:
+            result = factory.decideNow(self.config, host, port, reserve=True)
+        except RefusalError as e:
+            onRefusal(e.refusal)
+            return
+        if isinstance(result, Grant):
+            # An IP literal: no DNS, so no Deferred until the dial.
+            try:
+                d = onGrant(result)
+            except Exception:
+                self._bug(Failure())
+                return
+            if d is not None:
+                d.addErrback(self._bug)
+            return
+        result.addCallbacks(onGrant, onRefusalFailure).addErrback(self._bug)
 
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
@@ -332,8 +350,10 @@ class FrontDoor(Protocol):
             return
         self.awaiting = False
         granted()
-        peer = upstream.transport.getPeer()  # type: ignore[union-attr]
-        address = getattr(peer, "host", None)
+        if len(grant.addresses) == 1:
+            address: str | None = str(grant.addresses[0])
+        else:
+            address = getattr(upstream.transport.getPeer(), "host", None)  # type: ignore[union-attr]
         started = self.factory.reactor.seconds()
 
         def onClose(tunnel: Tunnel, why: str | None) -> None:
@@ -365,6 +385,23 @@ class FrontDoor(Protocol):
             refused(r)
 
 
+class _OneShot(Factory):
+    """Connects one protocol; quiet, since a tunnel's start is in the audit log already."""
+
+    noisy = False
+
+    def __init__(self, protocol: Protocol) -> None:
+        self._protocol = protocol
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return self._protocol
+
+
+def connectQuietly(endpoint: IStreamClientEndpoint, protocol: Protocol) -> Deferred[Any]:
+    """``connectProtocol`` without Twisted's two "Starting/Stopping factory" lines per dial."""
+    return endpoint.connect(_OneShot(protocol))
+
+
 class EgressProxyFactory(Factory):
     """Builds front doors and owns what they share: policy, resolver, dialer, limits, audit.
 
@@ -386,8 +423,10 @@ class EgressProxyFactory(Factory):
         terminator: ITerminator | None = None,
         audit: AuditLog | None = None,
         spliceFast: bool = True,
+        zeroCopyAfter: int = ZERO_COPY_AFTER,
     ) -> None:
         self.holder = asHolder(config)
+        self.zeroCopyAfter = zeroCopyAfter
         self.reactor = reactor
         self.resolver: IResolver = resolver if resolver is not None else SystemResolver(reactor)
         self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
@@ -400,6 +439,9 @@ class EgressProxyFactory(Factory):
         self.reserved = 0
         self.zeroCopied = 0
         self._sweeper: Any = None
+        self._allowCache: tuple[Config, AllowList] | None = None
+        self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
+        self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
 
     def buildProtocol(self, addr: Any) -> FrontDoor:
         return FrontDoor(self)
@@ -421,11 +463,17 @@ class EgressProxyFactory(Factory):
                 door.transport.abortConnection()  # type: ignore[attr-defined]
 
     def _scheduleSweep(self) -> None:
-        interval = min(max(self.holder.current.proxy.idle_timeout / 4, 0.25), 15.0)
+        proxy = self.holder.current.proxy
+        interval = min(max(min(proxy.idle_timeout, proxy.header_timeout) / 4, 0.05), 15.0)
         self._sweeper = self.reactor.callLater(interval, self._sweep)
 
     def _sweep(self) -> None:
+        """Close connections past their header deadline and tunnels idle too long."""
         now = self.reactor.seconds()
+        for door in list(self.doors):
+            deadline = door.headerDeadline
+            if deadline is not None and now >= deadline and not door.gone:
+                door._headerTimeout()
         for tunnel in list(self.tunnels):
             total = tunnel.up + tunnel.down
             if total != tunnel.idleMark:
@@ -486,12 +534,57 @@ class EgressProxyFactory(Factory):
         door.connectionLost = lost  # type: ignore[method-assign]
 
     def handOff(self, tunnel: Tunnel) -> None:
-        """A spliced tunnel is established; a faster copier may take it over."""
-        if self.spliceFast:
-            from agentsandbox.egress.splice import zeroCopy
+        """A spliced tunnel is established; splice(2) takes it over once it carries volume.
 
-            if zeroCopy(tunnel, self.reactor):
-                self.zeroCopied += 1
+        Short tunnels (a request, an answer) never pay for two pipes; a tunnel
+        that has moved ``zeroCopyAfter`` bytes on the copy loop is handed to
+        the kernel from then on.
+        """
+        if self.spliceFast:
+            from agentsandbox.egress.splice import zeroCopyAvailable
+
+            if zeroCopyAvailable():
+                tunnel.onVolume(self.zeroCopyAfter, self._zeroCopy, self.reactor)
+
+    def _zeroCopy(self, tunnel: Tunnel) -> None:
+        from agentsandbox.egress.splice import zeroCopy
+
+        if zeroCopy(tunnel, self.reactor):
+            self.zeroCopied += 1
+
+    def allowListOf(self, config: Config) -> AllowList:
+        """The parsed allow list of ``config``, parsed once per config (reloads swap configs)."""
+        cached = self._allowCache
+        if cached is None or cached[0] is not config:
+            cached = self._allowCache = (config, config.sandbox.allowList)
+            self._hostDecisions.clear()
+            self._addressDecisions.clear()
+        return cached[1]
+
+    def _decideHost(self, allow: AllowList, host: str, port: int) -> HostDecision:
+        # Decisions are pure functions of (allow list, host, port); the caches
+        # are emptied whenever the config (so the allow list) changes.
+        key = (host, port)
+        found = self._hostDecisions.get(key)
+        if found is None:
+            if len(self._hostDecisions) >= DECISION_CACHE:
+                self._hostDecisions.clear()
+            found = self._hostDecisions[key] = decideHost(allow, host, port)
+        return found
+
+    def _decideAddresses(
+        self, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
+    ) -> list[AddressDecision]:
+        out = []
+        for ip in addresses:
+            key = (name.host, name.port, ip)
+            found = self._addressDecisions.get(key)
+            if found is None:
+                if len(self._addressDecisions) >= DECISION_CACHE:
+                    self._addressDecisions.clear()
+                found = self._addressDecisions[key] = decideAddresses(allow, name, [ip])[0]
+            out.append(found)
+        return out
 
     # -------------------------------------------------------------- limits
     def release(self) -> None:
@@ -500,44 +593,44 @@ class EgressProxyFactory(Factory):
     # -------------------------------------------------------------- decisions
     def decide(self, config: Config, host: str, port: int, reserve: bool = False) -> Deferred[Grant]:
         """Grant or refuse ``host:port`` under ``config`` (fails with RefusalError)."""
-        allow = config.sandbox.allowList
-        name = decideHost(allow, host, port)
+        try:
+            result = self.decideNow(config, host, port, reserve)
+        except RefusalError as e:
+            return fail(e)
+        return succeed(result) if isinstance(result, Grant) else result
+
+    def decideNow(
+        self, config: Config, host: str, port: int, reserve: bool = False
+    ) -> Grant | Deferred[Grant]:
+        """``decide`` without a Deferred when no DNS is needed (IP literals): a Grant,
+        or RefusalError raised; otherwise a Deferred.  With ``reserve``, a tunnel
+        slot is taken and given back on every refusal."""
+        allow = self.allowListOf(config)
+        name = self._decideHost(allow, host, port)
         if not name.allowed:
             suggestion = None
             if "not on the sandbox's allow list" in name.reason:
                 suggestion = suggestEntry(name.host, port)
-            return fail(RefusalError(Refusal("policy", name.reason, allow=suggestion)))
+            raise RefusalError(Refusal("policy", name.reason, allow=suggestion))
         if reserve:
             if self.reserved >= config.proxy.max_tunnels:
-                return fail(
-                    RefusalError(
-                        Refusal(
-                            "limit",
-                            f"{config.proxy.max_tunnels} tunnels are open, the most proxy.max_tunnels "
-                            f"allows; {name.host}:{port} was not opened",
-                        )
+                raise RefusalError(
+                    Refusal(
+                        "limit",
+                        f"{config.proxy.max_tunnels} tunnels are open, the most proxy.max_tunnels "
+                        f"allows; {name.host}:{port} was not opened",
                     )
                 )
             self.reserved += 1
         literal = name.literal
         if literal is not None:
-            d: Deferred[Sequence[IPAddress]] = succeed([literal])
-        else:
-            d = self.resolver.resolve(name.host, port)
-
-        def checked(addresses: Sequence[IPAddress]) -> Grant:
-            decisions = decideAddresses(allow, name, addresses)
-            ok = tuple(x.address for x in decisions if x.allowed)
-            if not ok:
-                first = decisions[0]
-                shown = unwrapMapped(first.address)
-                allowText = f"{shown}:{port}" if shown.version == 4 else f"[{shown}]:{port}"
-                reason = "; ".join(x.reason for x in decisions)
-                raise RefusalError(Refusal("policy", reason, allow=allowText, address=str(first.address)))
-            viaParent = config.proxy.parent is not None and any(
-                classifyAddress(a) is None for a in ok
-            )
-            return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent)
+            try:
+                return self._checked(config, allow, name, (literal,))
+            except RefusalError:
+                if reserve:
+                    self.release()
+                raise
+        d = self.resolver.resolve(name.host, port)
 
         def unresolved(f: Failure) -> Grant:
             f.trap(ResolveError)
@@ -546,15 +639,29 @@ class EgressProxyFactory(Factory):
                 return Grant(name.host, port, (), name.entry.text if name.entry else "", True)
             raise RefusalError(Refusal("resolve", f.getErrorMessage()))
 
-        d.addCallbacks(checked, unresolved)
-
         def unreserve(f: Failure) -> Failure:
             if reserve:
                 self.release()
             return f
 
+        d.addCallbacks(lambda addresses: self._checked(config, allow, name, addresses), unresolved)
         d.addErrback(unreserve)
         return d  # type: ignore[return-value]
+
+    def _checked(
+        self, config: Config, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
+    ) -> Grant:
+        decisions = self._decideAddresses(allow, name, addresses)
+        ok = tuple(x.address for x in decisions if x.allowed)
+        port = name.port
+        if not ok:
+            first = decisions[0]
+            shown = unwrapMapped(first.address)
+            allowText = f"{shown}:{port}" if shown.version == 4 else f"[{shown}]:{port}"
+            reason = "; ".join(x.reason for x in decisions)
+            raise RefusalError(Refusal("policy", reason, allow=allowText, address=str(first.address)))
+        viaParent = config.proxy.parent is not None and any(classifyAddress(a) is None for a in ok)
+        return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent)
 
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""
@@ -564,8 +671,21 @@ class EgressProxyFactory(Factory):
             phost, pport = parseParent(config.proxy.parent)
             endpoint = HostnameEndpoint(self.reactor, phost, pport, timeout=30)
             handshake = ParentHandshake(grant.host, grant.port, protocol)
-            connectProtocol(endpoint, handshake).addErrback(handshake.failed)
+            connectQuietly(endpoint, handshake).addErrback(handshake.failed)
             return handshake.ready
+
+        if len(grant.addresses) == 1:
+            ip = grant.addresses[0]
+
+            def dialFailed(f: Failure) -> None:
+                raise RefusalError(
+                    Refusal("dial", f"could not connect to {grant.host}:{grant.port} ({ip}: {f.getErrorMessage()})")
+                )
+
+            try:
+                return connectQuietly(self.dialer(ip, grant.port), protocol).addErrback(dialFailed)
+            except Exception as e:
+                return fail(RefusalError(Refusal("dial", f"could not connect to {grant.host}:{grant.port} ({ip}: {e})")))
 
         errors: list[str] = []
         result: Deferred[Any] = Deferred()
@@ -584,7 +704,7 @@ class EgressProxyFactory(Factory):
             ip = grant.addresses[i]
             try:
                 endpoint = self.dialer(ip, grant.port)
-                d = connectProtocol(endpoint, protocol)
+                d = connectQuietly(endpoint, protocol)
             except Exception as e:
                 errors.append(f"{ip}: {e}")
                 attempt(i + 1)

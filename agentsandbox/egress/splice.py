@@ -110,14 +110,32 @@ class Tunnel:
         self._upstreamEOF = False
         self._closed = False
         self.engine: ZeroCopy | None = None
+        self._volume: tuple[int, Callable[[Tunnel], None]] | None = None
+        self._clock: Any = None
         self.client.registerProducer(self.upstream, True)
         self.upstream.registerProducer(self.client, True)
         upstream.attach(self)
+
+    def onVolume(self, threshold: int, callback: Callable[[Tunnel], None], clock: Any) -> None:
+        """Call ``callback(self)`` once, from a reactor turn, after ``threshold`` bytes moved."""
+        self._volume = (threshold, callback)
+        self._clock = clock
+        if self.up + self.down >= threshold:
+            self._volumeReached()
+
+    def _volumeReached(self) -> None:
+        assert self._volume is not None
+        _, callback = self._volume
+        self._volume = None
+        # Not from inside dataReceived: the transports are mid-read there.
+        self._clock.callLater(0, lambda: None if self._closed else callback(self))
 
     # client -> upstream
     def fromClient(self, data: bytes) -> None:
         self.up += len(data)
         self.upstream.write(data)
+        if self._volume is not None and self.up + self.down >= self._volume[0]:
+            self._volumeReached()
 
     def clientReadLost(self) -> None:
         self._clientEOF = True
@@ -139,6 +157,8 @@ class Tunnel:
     def fromUpstream(self, data: bytes) -> None:
         self.down += len(data)
         self.client.write(data)
+        if self._volume is not None and self.up + self.down >= self._volume[0]:
+            self._volumeReached()
 
     def upstreamReadLost(self) -> None:
         self._upstreamEOF = True

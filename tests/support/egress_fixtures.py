@@ -139,6 +139,7 @@ class ProxyHarness:
         audit: bool = True,
         config: Config | Any = None,
         spliceFast: bool = True,
+        zeroCopyAfter: int | None = None,
     ) -> None:
         self.home = tempfile.mkdtemp(prefix="egress-home-")
         self.config = config or makeConfig(domainsToml(domains, **(proxy or {})), self.home)
@@ -155,6 +156,7 @@ class ProxyHarness:
             terminator=terminator,
             audit=self.audit,
             spliceFast=spliceFast,
+            **({} if zeroCopyAfter is None else {"zeroCopyAfter": zeroCopyAfter}),
         )
         self.service = ProxyService(self.factory, "tcp:0:interface=127.0.0.1")
         self.port = 0
