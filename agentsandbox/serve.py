@@ -132,7 +132,8 @@ def _run(config: Config, configPath: str | None, env: dict[str, str] | None, ups
 
     reactor: Any = installed
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
-    service = makeService(config, reactor, configPath=configPath, environ=env)
+    # The demo's config lives only in memory: a reload would swap it for the files'.
+    service = makeService(config, reactor, configPath=configPath, environ=env, watchConfig=upstream is None)
     failed: list[str] = []
 
     def notListening(f: Failure) -> None:
