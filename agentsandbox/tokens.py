@@ -173,11 +173,11 @@ class TokenKeeper(Service):
     # ------------------------------------------------------------------ service
 
     def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
+        super().startService()
         self._schedule(0)
 
     def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
+        super().stopService()
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
@@ -219,7 +219,7 @@ class TokenKeeper(Service):
         self._schedule(self.source.renew)
 
     def _failed(self, failure: Failure) -> None:
-        why = failure.getErrorMessage() if failure.check(TokenError) else _describe(failure)  # type: ignore[no-untyped-call]
+        why = failure.getErrorMessage() if failure.check(TokenError) else _describe(failure)
         self._lastError = self._scrub(why)
         self._failures += 1
         delay = min(self.source.renew, self._firstBackoff * 2 ** (self._failures - 1))
@@ -258,7 +258,7 @@ class TokenKeeper(Service):
             return _succeed(self._readEnviron(source.env or ""))
         except TokenError as e:
             d: Deferred[str] = Deferred()
-            d.errback(Failure(e))  # type: ignore[no-untyped-call]
+            d.errback(Failure(e))
             return d
 
     def _readFile(self, path: str) -> str:
@@ -308,7 +308,7 @@ class TokenKeeper(Service):
             out, err, reason = result
             if timedOut:
                 raise TokenError(f"{what} took longer than {_duration(self.source.timeout)} and was killed")
-            if not reason.check(ierror.ProcessDone):  # type: ignore[no-untyped-call]
+            if not reason.check(ierror.ProcessDone):
                 code = getattr(reason.value, "exitCode", None)
                 sig = getattr(reason.value, "signal", None)
                 how = f"exited {code}" if code is not None else f"died of signal {sig}"
@@ -363,15 +363,15 @@ class TokenKeepers(MultiService):
         environ: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.setName("tokens")  # type: ignore[no-untyped-call]
+        super().__init__()
+        self.setName("tokens")
         hostsBySource: dict[TokenSource, list[str]] = {}
         for rule in rules:
             hostsBySource.setdefault(rule.token, []).extend(rule.hosts)
         self._bySource: dict[TokenSource, TokenKeeper] = {}
         for source, hosts in hostsBySource.items():
             keeper = TokenKeeper(source, reactor, clock, environ, hosts=tuple(hosts), **kwargs)
-            keeper.setServiceParent(self)  # type: ignore[no-untyped-call]
+            keeper.setServiceParent(self)
             self._bySource[source] = keeper
 
     def keeperFor(self, source: TokenSource) -> TokenKeeper:

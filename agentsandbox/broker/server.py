@@ -138,7 +138,7 @@ class BrokerService(service.Service):
                 "waits on inotify"
             )
         prepareSpool(self.spool, self.uid)
-        super().startService()  # type: ignore[no-untyped-call]
+        super().startService()
         self._stopping = False
         self._started = self.clock.seconds()
         if self._pool.joined:
@@ -157,7 +157,7 @@ class BrokerService(service.Service):
         if self.watch:
             from twisted.internet import inotify
 
-            self._inotify = inotify.INotify(reactor=self.reactor)  # type: ignore[no-untyped-call]
+            self._inotify = inotify.INotify(reactor=self.reactor)
             self._inotify.startReading()
             self._inotify.watch(
                 FilePath(self.spool),
@@ -172,7 +172,7 @@ class BrokerService(service.Service):
     def stopService(self) -> Deferred[None]:
         if not self.running:
             return defer.succeed(None)
-        super().stopService()  # type: ignore[no-untyped-call]
+        super().stopService()
         self._stopping = True
         if self._inotify is not None:
             self._inotify.loseConnection()
