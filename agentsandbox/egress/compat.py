@@ -146,4 +146,12 @@ class WriteThroughTLS(TLSMemoryBIOProtocol):
     """``TLSMemoryBIOProtocol`` whose ciphertext goes out through ``WriteThrough``."""
 
     def makeConnection(self, transport: Any) -> None:
+        # Each write is a whole TLS record meant to go now: Nagle would only
+        # hold a response back behind the peer's delayed ACK.
+        setNoDelay = getattr(transport, "setTcpNoDelay", None)
+        if setNoDelay is not None:
+            try:
+                setNoDelay(True)
+            except OSError:
+                pass
         super().makeConnection(writeThrough(transport))  # type: ignore[no-untyped-call,unused-ignore]

@@ -1127,8 +1127,11 @@ class _Upstream(Protocol):
         if self._handshakeTimer is not None and self._handshakeTimer.active():
             self._handshakeTimer.cancel()
         self._injector._forget(self)
-        tunnel, self._tunnel = self._tunnel, None
+        tunnel = self._tunnel
         if tunnel is not None:
+            # Unregister from the client's transport first: a TLS transport
+            # with a producer registered never finishes closing.
+            self.unpair()
             if self._state is _UNTIL_CLOSE and self._lostWhy is None:
                 self._state = _IDLE
                 tunnel.fromUpstream(b"", False, True)
