@@ -383,3 +383,83 @@ class HttpTestsCopyLoop(HttpTests):
 
 class SocksTestsCopyLoop(SocksTests):
     spliceFast = False
+
+
+class ForwardTests(TestCase):
+    """Absolute-form forwarding on raw sockets: keep-alive, Host, hop-by-hop headers, bodies, framing."""
+
+    async def web(self):
+        import tempfile
+
+        from tests.support.egress_servers import webSite
+
+        site = await listen(webSite(tempfile.mkdtemp(prefix="egress-fwd-")))
+        self.addCleanup(site.stopListening)
+        dialer = MappedDialer(reactor)
+        dialer.route("192.0.2.80", 80, site.getHost().port)
+        h = ProxyHarness(["web.example.org"], FixedResolver({"web.example.org": ["192.0.2.80"]}), dialer)
+        await h.start()
+        self.addCleanup(h.stop)
+        return h
+
+    @staticmethod
+    def responses(out: bytes) -> list[tuple[bytes, dict]]:
+        import json as _json
+
+        found = []
+        while out:
+            head, _, rest = out.partition(b"\r\n\r\n")
+            length = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+            body, out = rest[:length], rest[length:]
+            found.append((head.split(b"\r\n")[0], _json.loads(body) if body.startswith(b"{") else body))
+        return found
+
+    @deferredTest
+    async def test_keepAliveHostAndHopByHop(self):
+        h = await self.web()
+        first = (
+            b"GET http://web.example.org/headers?a=1 HTTP/1.1\r\nHost: evil.example.net\r\n"
+            b"Proxy-Authorization: Basic c3J0OnBsYWNlaG9sZGVy\r\nProxy-Connection: keep-alive\r\n"
+            b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nUpgrade: h2c\r\nTE: trailers\r\nX-Kept: yes\r\n\r\n"
+        )
+        second = b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nContent-Length: 5\r\n\r\nhello"
+        third = (
+            b"PUT http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        )
+        out = await exchange(h.port, first + second + third)
+        (s1, b1), (s2, b2), (s3, b3) = self.responses(out)
+        self.assertEqual((s1, s2, s3), (b"HTTP/1.1 200 OK",) * 3)
+        names = {k.lower(): v for k, v in b1["headers"]}
+        self.assertEqual(names["host"], "web.example.org")
+        self.assertEqual(b1["uri"], "/headers?a=1")
+        for dropped in ("proxy-authorization", "proxy-connection", "x-hop", "upgrade", "te", "authorization"):
+            self.assertNotIn(dropped, names)
+        self.assertEqual(names["x-kept"], "yes")
+        self.assertEqual((b2["method"], b2["body"]), ("POST", "hello"))
+        self.assertEqual((b3["method"], b3["body"]), ("PUT", "abcde"))
+        forwards = [r for r in h.records() if r["event"] == "forward"]
+        self.assertEqual([r["up"] for r in forwards], [0, 5, 5])
+
+    @deferredTest
+    async def test_ambiguousFramingRefused(self):
+        h = await self.web()
+        for head in (
+            b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+            b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nContent-Length: +3\r\n\r\nabc",
+            b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n0\r\n\r\n",
+        ):
+            out = await exchange(h.port, head)
+            self.assertTrue(out.startswith(b"HTTP/1.1 400 Bad Request"), (head, out[:200]))
+
+    @deferredTest
+    async def test_forwardRefusedAndUnreachable(self):
+        h = await self.web()
+        out = await exchange(h.port, b"GET http://example.net/ HTTP/1.1\r\nHost: example.net\r\n\r\n")
+        self.assertIn(b"403 Forbidden", out)
+        self.assertIn(b"example.net:80 is not on the sandbox's allow list", out)
+        h.resolver.table["web.example.org"] = [__import__("ipaddress").ip_address("198.51.100.9")]
+        h.factory._hostDecisions.clear()
+        out = await exchange(h.port, b"GET http://web.example.org:8080/ HTTP/1.1\r\nHost: web.example.org\r\n\r\n")
+        self.assertIn(b"502 Bad Gateway", out)

@@ -262,6 +262,8 @@ class ForwardExchange:
         self.up = 0
         self.down = 0
         self.done = False
+        self.requestDone = False
+        self.clientClosed = False
 
     def start(self) -> None:
         parts = urlsplit(self.target)
@@ -352,8 +354,13 @@ class ForwardExchange:
                     up.transport.write(up.conn.send(event))  # type: ignore[union-attr]
                 elif isinstance(event, h11.EndOfMessage):
                     up.transport.write(up.conn.send(h11.EndOfMessage()))  # type: ignore[union-attr]
+                    self.requestDone = True
                 elif isinstance(event, h11.ConnectionClosed):
-                    self.abort("the client closed during its request")
+                    if not self.requestDone:
+                        self.abort("the client closed during its request")
+                        return
+                    # A client that half-closes after its request still gets the response.
+                    self.clientClosed = True
                     return
             except h11.LocalProtocolError as e:
                 self.abort(f"request body does not match its framing: {e}", parse=True)
@@ -391,7 +398,7 @@ class ForwardExchange:
                     client.write(server.send(event))  # type: ignore[union-attr]
                 elif isinstance(event, h11.EndOfMessage):
                     client.write(server.send(h11.EndOfMessage()))  # type: ignore[union-attr]
-                    self.finish(reusable=True)
+                    self.finish(reusable=not self.clientClosed)
                     return
                 elif isinstance(event, h11.ConnectionClosed):
                     self.upstreamFailed(f"{self.host} closed before the response ended")

@@ -137,6 +137,7 @@ class FrontDoor(Protocol):
         self.terminated: IProtocol | None = None
         self.awaiting = False
         self.pendingEOF = False
+        self.paused = False
         self.headerDeadline: float | None = None
 
     # -------------------------------------------------------------- connection
@@ -232,8 +233,16 @@ class FrontDoor(Protocol):
         """Bytes the client sent after its request, before the tunnel opened."""
         if data:
             self.pending.append(data)
-            if sum(map(len, self.pending)) > 256 * 1024:
+            if sum(map(len, self.pending)) > 256 * 1024 and not self.paused:
+                self.paused = True
                 self.transport.pauseProducing()  # type: ignore[union-attr]
+
+    def resumeIfPaused(self) -> None:
+        # Only undo our own pause: resuming a transport that already saw EOF
+        # would read that EOF a second time.
+        if self.paused:
+            self.paused = False
+            self.transport.resumeProducing()  # type: ignore[union-attr]
 
     # -------------------------------------------------------------- tunnels
     def openTunnel(
@@ -336,7 +345,7 @@ class FrontDoor(Protocol):
         pending, self.pending = self.pending, []
         for chunk in pending:
             feed(chunk)
-        self.transport.resumeProducing()  # type: ignore[union-attr]
+        self.resumeIfPaused()
         if self.pendingEOF:
             self.readConnectionLost()
 
@@ -366,7 +375,7 @@ class FrontDoor(Protocol):
         pending, self.pending = self.pending, []
         for chunk in pending:
             tunnel.fromClient(chunk)
-        self.transport.resumeProducing()  # type: ignore[union-attr]
+        self.resumeIfPaused()
         if self.pendingEOF:
             tunnel.clientReadLost()
         if not tunnel.closed:

@@ -138,6 +138,8 @@ class Tunnel:
             self._volumeReached()
 
     def clientReadLost(self) -> None:
+        if self._clientEOF:
+            return
         self._clientEOF = True
         if ITCPTransport.providedBy(self.upstream):
             self.upstream.loseWriteConnection()
@@ -161,6 +163,8 @@ class Tunnel:
             self._volumeReached()
 
     def upstreamReadLost(self) -> None:
+        if self._upstreamEOF:
+            return
         self._upstreamEOF = True
         self.client.loseWriteConnection()
         self._maybeFinish()
