@@ -22,8 +22,8 @@ import asyncio
 import os
 import shutil
 import signal
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,7 +152,8 @@ def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str) 
     from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
     from agentsandbox.paths import Paths
 
-    globalLogBeginner.beginLoggingTo([textFileLogObserver(open(os.devnull, "w"))], redirectStandardIO=False)
+    devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+    globalLogBeginner.beginLoggingTo([textFileLogObserver(devnull)], redirectStandardIO=False)
     domains = ", ".join(f'"127.0.0.1:{p}"' for p in allowPorts)
     toml = f'inject = []\n[sandbox]\ndomains = [{domains}]\n[proxy]\nport = {port}\nmax_tunnels = 100000\n'
     config = loads(toml.encode(), "<bench>", Paths.fromEnvironment({"HOME": state}))
@@ -352,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         waitPort(bulkPort)
         waitPort(echoPort)
-        for name, port in ports.items():
+        for port in ports.values():
             if port is not None:
                 waitPort(port)
-        for name, port in ports.items():
+        for port in ports.values():
             bulk(port, bulkPort, 64 << 20)  # warm up
             tunnelsPerSecond(port, echoPort, min(500, opts.tunnels), opts.concurrency)
         # Rounds interleave the contenders, so a burst of load from elsewhere on

@@ -151,5 +151,5 @@ def test_logReadsTheConfiguredFile(tmp_path, capsys):
     assert "new.example.net" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text("[audit]\nmax_bytes = -1\n")
-    with pytest.raises(SystemExit, match="audit.max_bytes"):
+    with pytest.raises(SystemExit, match=r"audit\.max_bytes"):
         cli.main(["log", "--config", str(bad)])

@@ -81,7 +81,7 @@ class ClientTests(TestCase):
     @deferredTest
     async def test_curlForwardRefused(self):
         await self.setUpWeb()
-        out, err, code = await curl("--proxy", self.proxyURL, "-w", "%{http_code}", "http://example.com/")
+        out, _, _ = await curl("--proxy", self.proxyURL, "-w", "%{http_code}", "http://example.com/")
         self.assertEqual(out.splitlines()[-1], b"403")
         self.assertIn(b"example.com:80 is not on the sandbox's allow list", out)
 

@@ -69,7 +69,7 @@ def loggedFailures():
     errors = []
 
     def observe(event):
-        if event.get("log_failure") is not None or event.get("log_level") is not None and event["log_level"].name == "critical":
+        if event.get("log_failure") is not None or (event.get("log_level") is not None and event["log_level"].name == "critical"):
             errors.append(event)
 
     globalLogPublisher.addObserver(observe)
@@ -137,7 +137,7 @@ GREETINGS = st.one_of(
 def splits(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
     out, last = [], 0
-    for p in points + [len(data)]:
+    for p in [*points, len(data)]:
         out.append(data[last:p])
         last = p
     return [c for c in out if c] or [data]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from twisted.internet.error import ConnectionDone
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionDone
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 

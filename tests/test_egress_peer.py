@@ -14,7 +14,17 @@ from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
 
 from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, ownerOf, parseProcAddress
-from tests.support.egress_fixtures import CURL, Echo, FixedResolver, MappedDialer, ProxyHarness, deferredTest, listen, reactor, waitFor
+from tests.support.egress_fixtures import (
+    CURL,
+    Echo,
+    FixedResolver,
+    MappedDialer,
+    ProxyHarness,
+    deferredTest,
+    listen,
+    reactor,
+    waitFor,
+)
 
 LITTLE = sys.byteorder == "little"
 
@@ -47,7 +57,7 @@ def test_ownerFromATable(tmp_path):
     peers = ProcNetPeers(str(tmp_path), 1000)
     assert peers.check(("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) == "its socket belongs to uid 4242, not 1000"
     assert ProcNetPeers(str(tmp_path), 4242).check(("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) is None
-    assert "no socket of 127.0.0.1:1 in the socket table" == peers.check(("127.0.0.1", 1), ("127.0.0.1", 0x0C76))
+    assert peers.check(("127.0.0.1", 1), ("127.0.0.1", 0x0C76)) == "no socket of 127.0.0.1:1 in the socket table"
     # a procDir other than /proc never asks netlink
     assert not SameUserPeers(str(tmp_path), 1000).viaNetlink
 
@@ -94,11 +104,11 @@ class OtherUserTests(TestCase):
         await h.start()
         self.addCleanup(h.stop)
         args = ("--reuid=65534", "--regid=65534", "--clear-groups", CURL, "-sS", "--max-time", "10", "--noproxy", "", "--proxy", f"http://127.0.0.1:{h.port}", "http://echo.example.org/")
-        out, err, code = await getProcessOutputAndValue("/usr/bin/setpriv", args, env={"PATH": "/usr/bin:/bin"})
+        out, _, code = await getProcessOutputAndValue("/usr/bin/setpriv", args, env={"PATH": "/usr/bin:/bin"})
         self.assertNotEqual(code, 0)
         await waitFor(lambda: any(r["event"] == "peer" for r in h.records()), "the peer refusal record")
         rec = [r for r in h.records() if r["event"] == "peer"][-1]
         self.assertEqual(rec["reason"], f"its socket belongs to uid 65534, not {os.getuid()}")
         # our own uid is served by the same proxy
-        out, err, code = await getProcessOutputAndValue(CURL, ("-sS", "--noproxy", "", "-o", "/dev/null", "-w", "%{http_code}", "--proxy", f"http://127.0.0.1:{h.port}", "http://example.com/"), env={"PATH": "/usr/bin:/bin"})
+        out, _, code = await getProcessOutputAndValue(CURL, ("-sS", "--noproxy", "", "-o", "/dev/null", "-w", "%{http_code}", "--proxy", f"http://127.0.0.1:{h.port}", "http://example.com/"), env={"PATH": "/usr/bin:/bin"})
         self.assertEqual(out, b"403")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
@@ -75,10 +73,7 @@ from tests.support.egress_fixtures import Collector  # noqa: E402
 
 def socksConnect(host: bytes, port: int, atyp: int = 3, auth: bool = False) -> bytes:
     greeting = b"\x05\x01\x02" + b"\x01\x0bsrt-sandbox\x0bplaceholder" if auth else b"\x05\x01\x00"
-    if atyp == 3:
-        addr = bytes([3, len(host)]) + host
-    else:
-        addr = bytes([atyp]) + host
+    addr = bytes([3, len(host)]) + host if atyp == 3 else bytes([atyp]) + host
     return greeting + b"\x05\x01\x00" + addr + port.to_bytes(2, "big")
 
 
@@ -140,7 +135,8 @@ class SocksTests(BaseProxyTest):
         h = await self.proxy(["echo.example.org"])
         out = await exchange(h.port, socksConnect(b"echo.example.org", 443, auth=True) + b"abc")
         self.assertEqual(out, b"\x05\x02" + b"\x01\x00" + OK + b"abc")
-        self.assertNotIn("placeholder", open(h.auditPath).read())
+        with open(h.auditPath) as f:
+            self.assertNotIn("placeholder", f.read())
 
     @deferredTest
     async def test_ipv4AndIpv6Addresses(self):
@@ -409,7 +405,7 @@ class ForwardTests(TestCase):
         found = []
         while out:
             head, _, rest = out.partition(b"\r\n\r\n")
-            length = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+            length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
             body, out = rest[:length], rest[length:]
             found.append((head.split(b"\r\n")[0], _json.loads(body) if body.startswith(b"{") else body))
         return found

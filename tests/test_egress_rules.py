@@ -199,12 +199,12 @@ def test_loopbackOnlyThroughAnExplicitIPPortEntry():
 
 
 def test_ipLiteralTargetsAreClassifiedToo():
-    got, why = decide(["10.1.2.3"], "10.1.2.3", 443)
+    got, _ = decide(["10.1.2.3"], "10.1.2.3", 443)
     assert got == ["10.1.2.3"]  # an IP entry covers its own address
-    got, why = decide(["93.184.216.34"], "93.184.216.34", 443)
+    got, _ = decide(["93.184.216.34"], "93.184.216.34", 443)
     assert got == ["93.184.216.34"]
     # a v4-mapped spelling of a listed loopback literal is another host string: refused by name
-    got, why = decide(["127.0.0.1:6443"], "[::ffff:127.0.0.1]", 6443)
+    got, _ = decide(["127.0.0.1:6443"], "[::ffff:127.0.0.1]", 6443)
     assert got is None
 
 

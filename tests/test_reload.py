@@ -11,7 +11,16 @@ from twisted.trial.unittest import TestCase
 
 from agentsandbox.config import ConfigError, load
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
-from tests.support.egress_fixtures import deferredTest, domainsToml, exchange, makeConfig, reactor, waitFor, ProxyHarness, FixedResolver
+from tests.support.egress_fixtures import (
+    FixedResolver,
+    ProxyHarness,
+    deferredTest,
+    domainsToml,
+    exchange,
+    makeConfig,
+    reactor,
+    waitFor,
+)
 
 
 class Events:

@@ -23,7 +23,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from agentsandbox.egress.proxy import Refusal, RefusalError
+from agentsandbox.egress.proxy import Refusal, RefusalError, refusalOf
 
 if TYPE_CHECKING:
     from agentsandbox.egress.proxy import FrontDoor, Grant
@@ -150,7 +150,7 @@ class HTTPHandler:
         self.conn.receive_data(b"")
         self.process()
         if self.exchange is None and not self.closed:
-            self.door.transport.loseConnection()  # type: ignore[union-attr]
+            self.door.transport.loseConnection()
 
     def connectionLost(self, reason: Failure) -> None:
         self.closed = True
@@ -171,7 +171,7 @@ class HTTPHandler:
                 return
             if isinstance(event, h11.ConnectionClosed):
                 self.closed = True
-                self.door.transport.loseConnection()  # type: ignore[union-attr]
+                self.door.transport.loseConnection()
                 return
             if isinstance(event, h11.Request):
                 self.onRequest(event)
@@ -185,8 +185,8 @@ class HTTPHandler:
         if parse:
             self.door.parseError("http", text, answer)
         else:
-            self.door.transport.write(answer)  # type: ignore[union-attr]
-            self.door.transport.loseConnection()  # type: ignore[union-attr]
+            self.door.transport.write(answer)
+            self.door.transport.loseConnection()
 
     def onRequest(self, request: h11.Request) -> None:
         self.door.cancelHeaderTimer()
@@ -229,7 +229,7 @@ class HTTPHandler:
         self.door.openTunnel("connect", host, port, self._granted, self._refused)
 
     def _granted(self) -> None:
-        self.door.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")  # type: ignore[union-attr]
+        self.door.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
 
     def _refused(self, refusal: Refusal) -> None:
         self.fail(refusal.status, refusal.reason)
@@ -244,7 +244,7 @@ class HTTPHandler:
             self.process()
         else:
             self.closed = True
-            self.door.transport.loseConnection()  # type: ignore[union-attr]
+            self.door.transport.loseConnection()
 
 
 class ForwardExchange:
@@ -282,7 +282,7 @@ class ForwardExchange:
         self.authority = netloc.encode("ascii")
         path = parts.path or "/"
         self.path = (path + ("?" + parts.query if parts.query else "")).encode("ascii")
-        self.door.transport.pauseProducing()  # type: ignore[union-attr]
+        self.door.transport.pauseProducing()
         factory = self.door.factory
         config = self.door.config
         d = factory.decide(config, host, port)
@@ -297,7 +297,7 @@ class ForwardExchange:
     def _refused(self, f: Failure) -> None:
         factory = self.door.factory
         if f.check(RefusalError):
-            r: Refusal = f.value.refusal
+            r: Refusal = refusalOf(f)
         else:
             factory.log.failure("egress: forward setup failed", f)
             r = Refusal("dial", "the proxy failed to set up the request")
@@ -320,19 +320,19 @@ class ForwardExchange:
     # ---------------------------------------------------------------- upstream connected
     def upstreamReady(self, upstream: ForwardUpstream) -> None:
         if self.door.gone or self.done:
-            upstream.transport.abortConnection()  # type: ignore[union-attr]
+            upstream.transport.abortConnection()
             return
         self.upstream = upstream
         headers = forwardedHeaders(self.request.headers, drop=frozenset({b"host"}))
         headers.insert(0, (b"host", self.authority))
         headers.append((b"connection", b"close"))
-        upstream.transport.write(  # type: ignore[union-attr]
+        upstream.transport.write(
             upstream.conn.send(h11.Request(method=self.request.method, target=self.path, headers=headers))
         )
         client = self.door.transport
-        client.registerProducer(upstream.transport, True)  # type: ignore[union-attr]
-        upstream.transport.registerProducer(client, True)  # type: ignore[union-attr]
-        client.resumeProducing()  # type: ignore[union-attr]
+        client.registerProducer(upstream.transport, True)
+        upstream.transport.registerProducer(client, True)
+        client.resumeProducing()
         self.pumpRequest()
 
     def pumpRequest(self) -> None:
@@ -351,9 +351,9 @@ class ForwardExchange:
             try:
                 if isinstance(event, h11.Data):
                     self.up += len(event.data)
-                    up.transport.write(up.conn.send(event))  # type: ignore[union-attr]
+                    up.transport.write(up.conn.send(event))
                 elif isinstance(event, h11.EndOfMessage):
-                    up.transport.write(up.conn.send(h11.EndOfMessage()))  # type: ignore[union-attr]
+                    up.transport.write(up.conn.send(h11.EndOfMessage()))
                     self.requestDone = True
                 elif isinstance(event, h11.ConnectionClosed):
                     if not self.requestDone:
@@ -383,21 +383,21 @@ class ForwardExchange:
             try:
                 if isinstance(event, h11.InformationalResponse):
                     if event.status_code == 100:
-                        client.write(server.send(h11.InformationalResponse(status_code=100, headers=[])))  # type: ignore[union-attr]
+                        client.write(server.send(h11.InformationalResponse(status_code=100, headers=[])))
                 elif isinstance(event, h11.Response):
                     self.responseStarted = True
                     self.status = event.status_code
                     headers = forwardedHeaders(event.headers)
-                    client.write(  # type: ignore[union-attr]
+                    client.write(
                         server.send(
                             h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
                         )
                     )
                 elif isinstance(event, h11.Data):
                     self.down += len(event.data)
-                    client.write(server.send(event))  # type: ignore[union-attr]
+                    client.write(server.send(event))
                 elif isinstance(event, h11.EndOfMessage):
-                    client.write(server.send(h11.EndOfMessage()))  # type: ignore[union-attr]
+                    client.write(server.send(h11.EndOfMessage()))
                     self.finish(reusable=not self.clientClosed)
                     return
                 elif isinstance(event, h11.ConnectionClosed):
@@ -430,30 +430,30 @@ class ForwardExchange:
             return
         self._end(why)
         if self.upstream is not None:
-            self.upstream.transport.abortConnection()  # type: ignore[union-attr]
+            self.upstream.transport.abortConnection()
         if parse and not self.door.gone:
             self.handler.closed = True
             self.door.parseError("http", why, b"" if self.responseStarted else errorReply(400, why))
         elif not self.door.gone:
             self.handler.closed = True
-            self.door.transport.abortConnection()  # type: ignore[union-attr]
+            self.door.transport.abortConnection()
 
     def finish(self, reusable: bool) -> None:
         self._end(None)
         if self.upstream is not None:
-            self.upstream.transport.loseConnection()  # type: ignore[union-attr]
+            self.upstream.transport.loseConnection()
         self.handler.exchangeDone(reusable)
 
     def _end(self, why: str | None) -> None:
         self.done = True
         client = self.door.transport
         try:
-            client.unregisterProducer()  # type: ignore[union-attr]
+            client.unregisterProducer()
             if self.upstream is not None:
-                self.upstream.transport.unregisterProducer()  # type: ignore[union-attr]
+                self.upstream.transport.unregisterProducer()
         except Exception:  # already torn down
             pass
-        client.resumeProducing()  # type: ignore[union-attr]
+        client.resumeProducing()
         grant = self.grant
         self.door.factory.record(
             "forward",
@@ -473,6 +473,8 @@ class ForwardExchange:
 
 class ForwardUpstream(Protocol):
     """The origin side of one forwarded request."""
+
+    transport: Any
 
     def __init__(self, exchange: ForwardExchange) -> None:
         self.exchange = exchange
@@ -496,6 +498,8 @@ class ForwardUpstream(Protocol):
 class ParentHandshake(Protocol):
     """CONNECT through the organisation's proxy, then hand the connection to ``inner``."""
 
+    transport: Any
+
     def __init__(self, host: str, port: int, inner: Protocol) -> None:
         self.authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("ascii")
         self.inner = inner
@@ -505,11 +509,11 @@ class ParentHandshake(Protocol):
 
     def connectionMade(self) -> None:
         request = h11.Request(method=b"CONNECT", target=self.authority, headers=[(b"host", self.authority)])
-        self.transport.write(self.conn.send(request) + self.conn.send(h11.EndOfMessage()))  # type: ignore[union-attr]
+        self.transport.write(self.conn.send(request) + self.conn.send(h11.EndOfMessage()))
 
     def failed(self, f: Failure) -> None:
         if not self.ready.called:
-            why = f.value.refusal.reason if f.check(RefusalError) else f.getErrorMessage()
+            why = refusalOf(f).reason if f.check(RefusalError) else f.getErrorMessage()
             self.ready.errback(RefusalError(Refusal("parent", f"the parent proxy: {why}")))
 
     def dataReceived(self, data: bytes) -> None:
@@ -542,18 +546,18 @@ class ParentHandshake(Protocol):
             self.inner.dataReceived(bytes(leftover))
 
     def _refuse(self, why: str) -> None:
-        self.transport.loseConnection()  # type: ignore[union-attr]
+        self.transport.loseConnection()
         self.failed(Failure(RefusalError(Refusal("parent", why))))
 
     def readConnectionLost(self) -> None:
         if self.switched and IHalfCloseableProtocol.providedBy(self.inner):
-            self.inner.readConnectionLost()  # type: ignore[attr-defined]
+            self.inner.readConnectionLost()
         else:
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self.transport.loseConnection()
 
     def writeConnectionLost(self) -> None:
         if self.switched and IHalfCloseableProtocol.providedBy(self.inner):
-            self.inner.writeConnectionLost()  # type: ignore[attr-defined]
+            self.inner.writeConnectionLost()
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         if self.switched:

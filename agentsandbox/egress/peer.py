@@ -41,9 +41,8 @@ def parseProcAddress(text: str) -> tuple[IPAddress, int]:
     raw = bytes.fromhex(hexIP)
     if len(raw) not in (4, 16):
         raise ValueError(f"{text!r} is not an address from a socket table")
-    order = "little" if sys.byteorder == "little" else "big"
     words = b"".join(
-        int.from_bytes(raw[i : i + 4], order).to_bytes(4, "big") for i in range(0, len(raw), 4)
+        int.from_bytes(raw[i : i + 4], sys.byteorder).to_bytes(4, "big") for i in range(0, len(raw), 4)
     )
     return ipaddress.ip_address(words), int(hexPort, 16)
 

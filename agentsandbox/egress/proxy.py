@@ -55,7 +55,14 @@ from agentsandbox.egress.resolve import (
     decideAddresses,
     decideHost,
 )
-from agentsandbox.egress.rules import AddressDecision, AllowList, IPAddress, classifyAddress, suggestEntry, unwrapMapped
+from agentsandbox.egress.rules import (
+    AddressDecision,
+    AllowList,
+    IPAddress,
+    classifyAddress,
+    suggestEntry,
+    unwrapMapped,
+)
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol
 from agentsandbox.reload import ConfigHolder, asHolder
 
@@ -88,6 +95,13 @@ class RefusalError(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.reason)
         self.refusal = refusal
+
+
+def refusalOf(f: Failure) -> Refusal:
+    """The Refusal a failure carries (it must wrap a RefusalError)."""
+    error = f.value
+    assert isinstance(error, RefusalError)
+    return error.refusal
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,8 @@ class FrontDoor(Protocol):
     """One client connection: peer check, protocol choice, then a handler or a tunnel."""
 
     factory: EgressProxyFactory
+    #: A TCP transport (ITCPTransport with producer and half-close methods).
+    transport: Any
 
     def __init__(self, factory: EgressProxyFactory) -> None:
         self.factory = factory
@@ -142,14 +158,14 @@ class FrontDoor(Protocol):
 
     # -------------------------------------------------------------- connection
     def connectionMade(self) -> None:
-        peer, host = self.transport.getPeer(), self.transport.getHost()  # type: ignore[union-attr]
+        peer, host = self.transport.getPeer(), self.transport.getHost()
         self.client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
         self.factory.doors.add(self)
-        why = self.factory.peers.check((peer.host, peer.port), (host.host, host.port))  # type: ignore[attr-defined]
+        why = self.factory.peers.check((peer.host, peer.port), (host.host, host.port))
         if why is not None:
             self.factory.record("peer", client=self.client, reason=why)
             self.gone = True
-            self.transport.abortConnection()  # type: ignore[union-attr]
+            self.transport.abortConnection()
             return
         self.armHeaderTimer()
 
@@ -197,17 +213,17 @@ class FrontDoor(Protocol):
             self.tunnel.clientReadLost()
         elif self.terminated is not None:
             if IHalfCloseableProtocol.providedBy(self.terminated):
-                self.terminated.readConnectionLost()  # type: ignore[attr-defined]
+                self.terminated.readConnectionLost()
             else:
-                self.transport.loseConnection()  # type: ignore[union-attr]
+                self.transport.loseConnection()
         elif self.handler is not None and hasattr(self.handler, "readConnectionLost"):
             self.handler.readConnectionLost()
         else:
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self.transport.loseConnection()
 
     def writeConnectionLost(self) -> None:
         if self.terminated is not None and IHalfCloseableProtocol.providedBy(self.terminated):
-            self.terminated.writeConnectionLost()  # type: ignore[attr-defined]
+            self.terminated.writeConnectionLost()
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self.gone = True
@@ -225,8 +241,8 @@ class FrontDoor(Protocol):
         """A request the proxy cannot serve: audit it, answer, close."""
         self.factory.record("parse", kind=kind, client=self.client, reason=why)
         if answer:
-            self.transport.write(answer)  # type: ignore[union-attr]
-        self.transport.loseConnection()  # type: ignore[union-attr]
+            self.transport.write(answer)
+        self.transport.loseConnection()
         self.gone = True
 
     def buffered(self, data: bytes) -> None:
@@ -235,14 +251,14 @@ class FrontDoor(Protocol):
             self.pending.append(data)
             if sum(map(len, self.pending)) > 256 * 1024 and not self.paused:
                 self.paused = True
-                self.transport.pauseProducing()  # type: ignore[union-attr]
+                self.transport.pauseProducing()
 
     def resumeIfPaused(self) -> None:
         # Only undo our own pause: resuming a transport that already saw EOF
         # would read that EOF a second time.
         if self.paused:
             self.paused = False
-            self.transport.resumeProducing()  # type: ignore[union-attr]
+            self.transport.resumeProducing()
 
     # -------------------------------------------------------------- tunnels
     def openTunnel(
@@ -265,7 +281,8 @@ class FrontDoor(Protocol):
                 return None
             rule = self.config.injectFor(grant.host)
             if rule is not None and grant.port == 443:
-                return self._terminate(kind, grant, granted, refused)
+                self._terminate(kind, grant, granted, refused)
+                return None
             return factory.connect(self.config, grant, UpstreamProtocol()).addCallbacks(
                 lambda upstream: self._splice(kind, grant, upstream, granted),
                 lambda f: self._dialFailed(kind, grant, f, refused),
@@ -288,7 +305,7 @@ class FrontDoor(Protocol):
 
         def onRefusalFailure(f: Failure) -> None:
             f.trap(RefusalError)
-            onRefusal(f.value.refusal)
+            onRefusal(refusalOf(f))
 
         try:
             result = factory.decideNow(self.config, host, port, reserve=True)
@@ -310,7 +327,7 @@ class FrontDoor(Protocol):
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
         if not self.gone:
-            self.transport.abortConnection()  # type: ignore[union-attr]
+            self.transport.abortConnection()
 
     def _terminate(
         self, kind: str, grant: Grant, granted: Callable[[], None], refused: Callable[[Refusal], None]
@@ -354,7 +371,7 @@ class FrontDoor(Protocol):
     ) -> None:
         if self.gone:
             self.awaiting = False
-            upstream.transport.loseConnection()  # type: ignore[union-attr]
+            upstream.transport.loseConnection()
             self.factory.release()
             return
         self.awaiting = False
@@ -362,7 +379,7 @@ class FrontDoor(Protocol):
         if len(grant.addresses) == 1:
             address: str | None = str(grant.addresses[0])
         else:
-            address = getattr(upstream.transport.getPeer(), "host", None)  # type: ignore[union-attr]
+            address = getattr(upstream.transport.getPeer(), "host", None)
         started = self.factory.reactor.seconds()
 
         def onClose(tunnel: Tunnel, why: str | None) -> None:
@@ -386,7 +403,7 @@ class FrontDoor(Protocol):
     ) -> None:
         self.awaiting = False
         self.factory.release()
-        r = f.value.refusal if f.check(RefusalError) else Refusal("dial", f.getErrorMessage())
+        r = refusalOf(f) if f.check(RefusalError) else Refusal("dial", f.getErrorMessage())
         self.factory.record(
             "failed", kind=kind, client=self.client, host=grant.host, port=grant.port, reason=r.reason
         )
@@ -452,7 +469,7 @@ class EgressProxyFactory(Factory):
         self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
         self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
 
-    def buildProtocol(self, addr: Any) -> FrontDoor:
+    def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
 
     # -------------------------------------------------------------- lifecycle
@@ -469,7 +486,7 @@ class EgressProxyFactory(Factory):
             tunnel.close(why)
         for door in list(self.doors):
             if door.transport is not None:
-                door.transport.abortConnection()  # type: ignore[attr-defined]
+                door.transport.abortConnection()
 
     def _scheduleSweep(self) -> None:
         proxy = self.holder.current.proxy
@@ -753,10 +770,10 @@ class ProxyService(Service):
 
         self.listening = d.addCallback(listening)
 
-    def stopService(self) -> Deferred[None] | None:  # type: ignore[override]
+    def stopService(self) -> Deferred[None] | None:
         super().stopService()
         self.factory.closeAll()
         if self.port is not None:
             port, self.port = self.port, None
-            return port.stopListening()  # type: ignore[return-value]
+            return port.stopListening()
         return None

@@ -13,6 +13,7 @@ import ipaddress
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorThreads
@@ -43,7 +44,8 @@ class ResolveError(Exception):
         self.why = why
 
 
-GetAddrInfo = Callable[..., list[tuple[object, object, object, str, tuple[object, ...]]]]
+#: ``socket.getaddrinfo`` or a stand-in with its signature.
+GetAddrInfo = Callable[..., Any]
 
 
 def addressesFromGetaddrinfo(
@@ -84,7 +86,7 @@ class SystemResolver:
 
     def resolve(self, host: str, port: int) -> Deferred[Sequence[IPAddress]]:
         return deferToThreadPool(
-            self._reactor,  # type: ignore[arg-type]
+            self._reactor,
             self._reactor.getThreadPool(),
             addressesFromGetaddrinfo,
             host,

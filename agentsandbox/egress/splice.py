@@ -46,6 +46,7 @@ class UpstreamProtocol(Protocol):
     """The upstream side of a tunnel; everything it receives goes to the tunnel."""
 
     tunnel: Tunnel | None = None
+    transport: Any
 
     def __init__(self) -> None:
         self._early: list[bytes] = []
