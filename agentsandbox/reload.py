@@ -36,6 +36,10 @@ class ConfigHolder:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def swap(self, config: Config) -> None:
         old, self.current = self.current, config
         for listener in list(self._listeners):

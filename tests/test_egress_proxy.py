@@ -459,3 +459,41 @@ class ForwardTests(TestCase):
         h.factory._hostDecisions.clear()
         out = await exchange(h.port, b"GET http://web.example.org:8080/ HTTP/1.1\r\nHost: web.example.org\r\n\r\n")
         self.assertIn(b"502 Bad Gateway", out)
+
+
+class ServiceTests(TestCase):
+    @deferredTest
+    async def test_listenChangeNeedsARestartAndSaysSo(self):
+        from twisted.logger import globalLogPublisher
+
+        from tests.support.egress_fixtures import domainsToml, makeConfig
+
+        h = ProxyHarness(["a.example.org"])
+        await h.start()
+        self.addCleanup(h.stop)
+        seen = []
+        globalLogPublisher.addObserver(seen.append)
+        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        h.factory.holder.swap(makeConfig(domainsToml(["a.example.org"], port=4321)))
+        self.assertEqual(h.service.endpoint, "tcp:0:interface=127.0.0.1")
+        h.service.endpoint = None  # as the service runs it: from the config
+        h.factory.holder.swap(makeConfig(domainsToml(["a.example.org"], port=4322)))
+        warnings = [e for e in seen if "until agentsandbox restarts" in e.get("log_format", "")]
+        self.assertEqual(len(warnings), 1)
+        self.assertEqual(warnings[0]["new"], "tcp:4322:interface=127.0.0.1")
+        # the port it listens on is unchanged and still serves
+        out = await exchange(h.port, b"CONNECT b.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"403", out)
+
+    @deferredTest
+    async def test_socksInjectRefusalIsRuleset(self):
+        from tests.support.egress_fixtures import makeConfig
+
+        h = ProxyHarness(["api.github.com"], FixedResolver({"api.github.com": ["192.0.2.10"]}))
+        await h.start()
+        self.addCleanup(h.stop)
+        h.factory.holder.swap(
+            makeConfig('[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\nformat = "token {token}"\ntoken_env = "T"\n')
+        )
+        out = await exchange(h.port, socksConnect(b"api.github.com", 443))
+        self.assertEqual(out, b"\x05\x00" + socksReply(2))

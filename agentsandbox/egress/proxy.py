@@ -757,8 +757,19 @@ class ProxyService(Service):
         self.port: IListeningPort | None = None
         self.listening: Deferred[IListeningPort] | None = None
 
+    def _configChanged(self, old: Config, new: Config) -> None:
+        if self.endpoint is None and old.proxy.endpoint != new.proxy.endpoint:
+            self.log.warn(
+                "{source}: proxy.listen/proxy.port changed to {new}; the proxy keeps listening "
+                "on {old} until agentsandbox restarts",
+                source=new.source,
+                new=new.proxy.endpoint,
+                old=old.proxy.endpoint,
+            )
+
     def startService(self) -> None:
         super().startService()
+        self.factory.holder.subscribe(self._configChanged)
         description = self.endpoint or self.factory.holder.current.proxy.endpoint
         ep = serverFromString(self.factory.reactor, description)
         d = ep.listen(self.factory)
@@ -772,6 +783,7 @@ class ProxyService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
+        self.factory.holder.unsubscribe(self._configChanged)
         self.factory.closeAll()
         if self.port is not None:
             port, self.port = self.port, None

@@ -38,6 +38,7 @@ ATYP_IPV6 = 4
 #: Refusal kinds (proxy.Refusal.kind) -> SOCKS reply codes.
 CODES = {
     "policy": NOT_ALLOWED,
+    "inject": NOT_ALLOWED,
     "limit": GENERAL_FAILURE,
     "resolve": HOST_UNREACHABLE,
     "dial": CONNECTION_REFUSED,
