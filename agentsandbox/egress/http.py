@@ -108,7 +108,10 @@ def forwardedHeaders(headers: Any, drop: frozenset[bytes] = frozenset()) -> list
     return [
         (name, value)
         for name, value in headers
-        if name not in HOP_BY_HOP and name not in listed and name not in drop
+        if name not in HOP_BY_HOP
+        and name not in listed
+        and name not in drop
+        and not name.startswith(b"proxy-")
     ]
 
 
