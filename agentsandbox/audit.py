@@ -42,6 +42,8 @@ FIELDS = (
 )
 
 
+_SCALARS = (int, float, bool, str)
+
 #: One encoder for every record (json.dumps with options builds a new one per call).
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
@@ -95,7 +97,7 @@ class AuditLog:
         for name in FIELDS:
             value = fields.get(name)
             if value is not None:
-                rec[name] = value if isinstance(value, int | float | bool) else str(value)
+                rec[name] = value if type(value) in _SCALARS else str(value)
         line = (_ENCODER.encode(rec) + "\n").encode("ascii")
         try:
             if self._fd is None:

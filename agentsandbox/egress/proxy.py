@@ -104,7 +104,7 @@ def refusalOf(f: Failure) -> Refusal:
     return error.refusal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Grant:
     """A tunnel the policy allows: where it may go."""
 
@@ -157,11 +157,21 @@ class FrontDoor(Protocol):
         self.headerDeadline: float | None = None
 
     # -------------------------------------------------------------- connection
+    def _addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """(client address, our address), from the socket itself where there is one."""
+        try:
+            handle = self.transport.getHandle()
+            peer, host = handle.getpeername(), handle.getsockname()
+            return (peer[0], peer[1]), (host[0], host[1])
+        except (AttributeError, OSError, TypeError, IndexError):
+            p, h = self.transport.getPeer(), self.transport.getHost()
+            return (getattr(p, "host", "?"), getattr(p, "port", 0)), (getattr(h, "host", "?"), getattr(h, "port", 0))
+
     def connectionMade(self) -> None:
-        peer, host = self.transport.getPeer(), self.transport.getHost()
-        self.client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+        peer, host = self._addresses()
+        self.client = f"{peer[0]}:{peer[1]}"
         self.factory.doors.add(self)
-        why = self.factory.peers.check((peer.host, peer.port), (host.host, host.port))
+        why = self.factory.peers.check(peer, host)
         if why is not None:
             self.factory.record("peer", client=self.client, reason=why)
             self.gone = True

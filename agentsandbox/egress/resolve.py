@@ -9,6 +9,7 @@ rebinding).  ``describeResolved`` is the same decision, synchronously, for
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from collections.abc import Callable, Sequence
@@ -110,7 +111,12 @@ class HostDecision:
 
     @property
     def literal(self) -> IPAddress | None:
-        return parseIP(self.host)
+        return _literal(self.host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _literal(host: str) -> IPAddress | None:
+    return parseIP(host)
 
 
 def decideHost(allow: AllowList, host: str, port: int) -> HostDecision:
