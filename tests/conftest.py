@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,25 @@ domains = ["muster.example.com", "127.0.0.1:6443"]
 [proxy]
 port = 3190
 """
+
+
+@pytest.fixture(scope="session", autouse=True)
+def privateTempRoot() -> Iterator[str]:
+    """Every tempfile.mkdtemp/mkstemp of the session lands here, and goes at its end.
+
+    Many fixtures build homes, spools and repositories with tempfile; a failing
+    or interrupted test must not leave them behind in /tmp.  The root is 0755
+    because some tests run commands as nobody inside it.
+    """
+    root = tempfile.mkdtemp(prefix="agentsandbox-tests-")
+    os.chmod(root, 0o755)
+    previous = tempfile.tempdir
+    tempfile.tempdir = root
+    try:
+        yield root
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @dataclass
