@@ -80,11 +80,14 @@ def renderMain(argv: list[str]) -> int:
 def checkMain(argv: list[str]) -> int:
     p = _parser("check", "Explain a decision: may a session read or write a path, or reach a host?")
     sub = p.add_subparsers(dest="kind", required=True)
+    # --config is also accepted after the subcommand, where people type it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for kind in ("read", "write"):
-        s = sub.add_parser(kind, help=f"may a session {kind} PATH")
+        s = sub.add_parser(kind, help=f"may a session {kind} PATH", parents=[common])
         s.add_argument("path")
         s.add_argument("--cwd", default=os.getcwd(), help="the session's working directory")
-    h = sub.add_parser("host", help="may a session reach HOST[:PORT] (port defaults to 443)")
+    h = sub.add_parser("host", help="may a session reach HOST[:PORT] (port defaults to 443)", parents=[common])
     h.add_argument("target")
     h.add_argument("--resolve", action="store_true", help="resolve the name and decide each address too")
     args = p.parse_args(argv)

@@ -104,3 +104,19 @@ def test_install_into_a_managed_dir(user: User, tmp_path: Path) -> None:
 def test_usage_errors(user: User, args: list[str]) -> None:
     p = cli(user, *args)
     assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_check_host_resolve_shows_the_address_decision(user: User) -> None:
+    user.writeConfig('[sandbox]\ndomains = ["127.0.0.1:6443", "localhost:7000", "10.0.0.0/8:443"]\n')
+    literal = cli(user, "check", "host", "127.0.0.1:6443", "--resolve")
+    assert literal.returncode == 0, literal.stdout
+    assert "127.0.0.1 is loopback, allowed by '127.0.0.1:6443'" in literal.stdout
+    byName = cli(user, "check", "host", "localhost:7000", "--resolve")
+    assert "allowed by name: localhost:7000" in byName.stdout
+    assert "127.0.0.1" in byName.stdout
+    elsewhere = user.base / "other.toml"
+    elsewhere.write_text('[sandbox]\ndomains = ["example.org"]\n')
+    assert cli(user, "check", "host", "example.org", "--config", str(elsewhere)).returncode == 0
+    assert cli(user, "check", "--config", str(elsewhere), "host", "example.org").returncode == 0
+    private = cli(user, "check", "host", "10.1.2.3", "--resolve")
+    assert private.returncode == 0 and "10.1.2.3" in private.stdout
