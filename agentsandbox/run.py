@@ -294,8 +294,21 @@ def enforcementProblems(
 # --------------------------------------------------------------------------- running
 
 
+#: srt starts its in-sandbox bridges to the proxy (socat listening on localhost:3128
+#: and :1080) in the background and runs the command at once, so a command's first
+#: connection can find nothing listening ("Couldn't connect to server"); seen under
+#: load.  The command starts once both listen in the sandbox's own network namespace
+#: (its /proc/net/tcp), or after about two seconds whatever the state.
+BRIDGE_WAIT = (
+    "i=0; until { grep -q ':0C38 00000000:0000 0A' /proc/net/tcp && "
+    "grep -q ':0438 00000000:0000 0A' /proc/net/tcp; } 2>/dev/null; do "
+    'i=$((i+1)); [ "$i" -ge 100 ] && break; sleep 0.02; done; exec "$@"'
+)
+
+
 def srtArgv(srtProgram: str, settingsPath: str, command: Sequence[str]) -> list[str]:
-    return [srtProgram, "--settings", settingsPath, "--", *command]
+    """srt running ``command`` exactly (through ``exec "$@"``) once its bridges listen."""
+    return [srtProgram, "--settings", settingsPath, "--", "/bin/sh", "-c", BRIDGE_WAIT, "agentsandbox-run", *command]
 
 
 def exitStatus(returncode: int) -> int:
