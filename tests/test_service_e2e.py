@@ -36,6 +36,7 @@ the calls use ``curl --noproxy ''``.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -49,6 +50,7 @@ from typing import Any
 import pytest
 
 from agentsandbox.audit import readRecords
+from agentsandbox.run import BRIDGE_WAIT
 from tests.support.claude_harness import (
     CANARY_ENV,
     CANARY_KEY,
@@ -62,6 +64,7 @@ from tests.support.claude_harness import (
     latestClaude,
     mockAPI,
     pinnedClaude,
+    requireOrSkip,
     runClaude,
     tempLeftoversRemoved,
 )
@@ -73,6 +76,7 @@ from tests.support.service_harness import (
     ServiceProcess,
     filesHolding,
     makeSigningKey,
+    runBounded,
     secretForms,
     sections,
     seedBareRepo,
@@ -86,7 +90,8 @@ AWS_CANARY = "AGENTSANDBOX-CANARY-AWS-SECRET-41b9"
 README = "the fake GitHub's o/r, cloned through the proxy\n"
 UNLISTED = "example.net"
 REFUSAL = f"{UNLISTED}:80 is not on the sandbox's allow list"
-TOOLS = ("srt", "bwrap", "socat", "rg", "git", "gpg", "gpgconf", "curl")
+#: What every session needs (Claude Code's sandbox drives bwrap, socat and rg itself).
+TOOLS = ("bwrap", "socat", "rg", "git", "gpg", "gpgconf", "curl")
 #: A bound on how long the proxy may take to write a record after a client closed.
 AUDIT_WAIT = 10.0
 #: A bound on one whole session (the goal is well under a minute).
@@ -185,7 +190,7 @@ def _config(world: World, site: LocalSite) -> str:
 def stack() -> Iterator[Stack]:
     why = _missing()
     if why is not None:
-        pytest.skip(why)
+        requireOrSkip(why)
     # Not under /tmp: the temp dir is writable by policy, and a home inside it
     # would make the whole fixture home writable.
     base = Path(tempfile.mkdtemp(prefix="agentsandbox-svc-e2e-", dir="/var/tmp"))
@@ -236,17 +241,27 @@ class Session:
     def describe(self) -> str:
         if self.run is not None:
             return self.run.describe()
-        return "\n".join(f"--- {k}\n{v}" for k, v in self.texts.items())
+        parts = [f"--- {k}\n{v}" for k, v in self.texts.items()]
+        parts.append(f"--- stderr of agentsandbox run\n{self.outputs[-1] if self.outputs else ''}")
+        parts.append(f"--- audit records of the session\n{json.dumps(self.audit, indent=1)}")
+        return "\n".join(parts)
+
+
+#: Claude Code wraps every Bash command like srt does, starting its in-sandbox
+#: bridges in the background (see ``agentsandbox.run.BRIDGE_WAIT``): a command that
+#: connects at once first waits for them, as ``agentsandbox run`` does for its command.
+BRIDGES_UP = BRIDGE_WAIT.removesuffix('exec "$@"')
 
 
 def _commands(stack: Stack, label: str, clone: Path) -> dict[str, str]:
     """The shell commands of checks (a) to (e) and the environment dump, by name."""
     path = f"/{label}-a"
+    wait = BRIDGES_UP if label != "run" else ""
     return {
-        "a": f"curl -sS --noproxy '' http://127.0.0.1:{stack.site.port}{path}",
-        "b": f"curl -sS -i http://{UNLISTED}/{label}-b; curl -sS https://{UNLISTED}/ ; echo rc=$?",
+        "a": f"{wait}curl -sS --noproxy '' http://127.0.0.1:{stack.site.port}{path}",
+        "b": f"{wait}curl -sS -i http://{UNLISTED}/{label}-b; curl -sS https://{UNLISTED}/ ; echo rc=$?",
         "env": "env",
-        "c": f"git clone -q https://github.com/o/r {clone} && cat {clone}/README.md && git -C {clone} remote -v",
+        "c": f"{wait}git clone -q https://github.com/o/r {clone} && cat {clone}/README.md && git -C {clone} remote -v",
         "d": (
             f"cd {clone} && echo 'signed in the sandbox' > signed.txt && git add signed.txt && "
             f"git -c user.name=Signer -c user.email=signer@example.org -c user.signingkey={stack.fingerprint} "
@@ -309,6 +324,8 @@ class Sessions:
     def get(self, label: str, request: pytest.FixtureRequest) -> Session:
         if label not in self.done:
             if label == "run":
+                if shutil.which("srt") is None:
+                    pytest.skip("srt is not installed (npm install -g @anthropic-ai/sandbox-runtime)")
                 self.done[label] = self.agentsandboxRun()
             else:
                 binary = _binaries()[label.removeprefix("claude-")]
@@ -352,18 +369,20 @@ class Sessions:
         commands = _commands(stack, label, clone)
         # srt points TMPDIR at /tmp/claude without creating it: use one the policy lets it write.
         tmp = stack.home / "work" / "tmp-run"
-        script = f'export TMPDIR={tmp}; mkdir -p "$TMPDIR"\n' + "".join(
+        # First of all, before anything else could give the bridges time: do they listen?
+        script = (
+            "echo '=== bridges ==='\n"
+            "grep -c ':0C38 00000000:0000 0A' /proc/net/tcp; grep -c ':0438 00000000:0000 0A' /proc/net/tcp\n"
+            f'export TMPDIR={tmp}; mkdir -p "$TMPDIR"\n'
+        ) + "".join(
             f"echo '=== {name} ==='\n( {command} ) 2>&1\necho \"rc=$?\"\n" for name, command in commands.items()
         )
         env = stack.userEnv()
         # Credentials in the caller's environment: deny-by-default passing must drop them.
         env.update(CANARY_ENV)
         auditBefore, fakeBefore = len(stack.audit()), len(stack.service.fakeSeen())
-        done = subprocess.run(
-            [str(stack.world.launcher), "run", "--", "sh", "-c", script],
-            env=env, cwd=str(stack.world.project), capture_output=True, text=True,
-            timeout=SESSION_TIMEOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        done = runBounded([str(stack.world.launcher), "run", "--", "sh", "-c", script],
+                          env=env, cwd=stack.world.project, timeout=SESSION_TIMEOUT)
         assert done.returncode == 0, f"agentsandbox run exited {done.returncode}\n{done.stdout}\n{done.stderr}"
         texts = sections(done.stdout)
         return Session(
@@ -489,6 +508,14 @@ def test_read_aws_credentials_denied(stack: Stack, claudeSession: Session) -> No
     linked = session.texts["read-link"]
     assert session.errors["read-link"], session.describe()
     assert f"agentsandbox refused to read {stack.awsLink} (a link to {credentials})" in linked, session.describe()
+
+
+@pytest.mark.srt
+def test_run_starts_the_command_once_the_bridges_listen(sessions: Sessions, request: pytest.FixtureRequest) -> None:
+    # srt starts its socat bridges (localhost:3128 and :1080) in the background;
+    # agentsandbox run holds the command until both listen (run.BRIDGE_WAIT).
+    session = sessions.get("run", request)
+    assert session.texts["bridges"].split() == ["1", "1"], session.describe()
 
 
 def test_the_service_kept_the_token_to_itself(stack: Stack) -> None:
