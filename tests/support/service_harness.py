@@ -250,6 +250,23 @@ def seedBareRepo(bare: Path, scratch: Path, readme: str) -> None:
     git("-C", str(work), "push", "-q", str(bare), "main")
 
 
+def runBounded(argv: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in its own process group; on timeout (and after it ends) end the whole group."""
+    proc = subprocess.Popen(argv, env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{argv[:3]} did not finish within {timeout}s\n{stdout}\n{stderr}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
 def secretForms(token: str, basicUser: str = "x-access-token") -> list[bytes]:
     """The token as it could appear anywhere: raw, and inside a Basic credential."""
     basic = base64.b64encode(f"{basicUser}:{token}".encode())
