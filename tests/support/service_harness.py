@@ -409,10 +409,7 @@ def _childMain(argv: list[str]) -> int:
             reactor.stop()
             return
         d = service.listening
-        if d is None:
-            failed.append("the proxy has no listening Deferred")
-            reactor.stop()
-            return
+        assert d is not None, "the proxy started without a listening Deferred"
         d.addCallbacks(ready, notListening)
 
     def stop() -> Any:
