@@ -29,13 +29,16 @@ port = 3190
 
 
 @pytest.fixture(scope="session", autouse=True)
-def privateTempRoot() -> Iterator[str]:
+def privateTempRoot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Every tempfile.mkdtemp/mkstemp of the session lands here, and goes at its end.
 
     Many fixtures build homes, spools and repositories with tempfile; a failing
     or interrupted test must not leave them behind in /tmp.  The root is 0755
     because some tests run commands as nobody inside it.
     """
+    # pytest's own tmp_path root is fixed first, in the usual place: it cleans
+    # that up itself, after this fixture is gone.
+    tmp_path_factory.getbasetemp()
     root = tempfile.mkdtemp(prefix="agentsandbox-tests-")
     os.chmod(root, 0o755)
     previous = tempfile.tempdir
