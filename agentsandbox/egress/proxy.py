@@ -39,7 +39,7 @@ from twisted.internet.interfaces import (
     IProtocol,
     IStreamClientEndpoint,
 )
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -113,18 +113,42 @@ class Grant:
     addresses: tuple[IPAddress, ...]
     entry: str
     viaParent: bool
+    #: The address as the audit shows it when there is only one.
+    shown: str | None = None
 
 
-def tcpDialer(reactor: Any, timeout: float = 30.0) -> Dialer:
-    """The default dialer: a TCP connection to exactly the checked address."""
+class TCPDialer:
+    """The default dialer: a TCP connection to exactly the checked address.
 
-    def dial(ip: IPAddress, port: int) -> IStreamClientEndpoint:
+    Called like any ``Dialer`` it returns an endpoint.  ``dial`` makes the same
+    connection straight through ``reactor.connectTCP`` for a tunnel's
+    ``UpstreamProtocol``, which reports its own ``connectionMade``: an endpoint
+    would wrap the protocol in a forwarding one, one more call on every event
+    of every tunnel.
+    """
+
+    def __init__(self, reactor: Any, timeout: float = 30.0) -> None:
+        self.reactor = reactor
+        self.timeout = timeout
+
+    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
         ip = unwrapMapped(ip)
         if ip.version == 4:
-            return TCP4ClientEndpoint(reactor, str(ip), port, timeout=timeout)
-        return TCP6ClientEndpoint(reactor, str(ip), port, timeout=timeout)
+            return TCP4ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
+        return TCP6ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
 
-    return dial
+    def dial(self, ip: IPAddress, port: int, protocol: UpstreamProtocol) -> Deferred[UpstreamProtocol]:
+        """Connect ``protocol`` to ``ip:port``; fires with it once connected, fails as an endpoint would."""
+        ready: Deferred[UpstreamProtocol] = Deferred()
+        protocol.dialled = ready
+        # connectTCP takes IPv6 literals too; the address is never resolved again.
+        self.reactor.connectTCP(str(unwrapMapped(ip)), port, _DirectDial(protocol, ready), timeout=self.timeout)
+        return ready
+
+
+def tcpDialer(reactor: Any, timeout: float = 30.0) -> TCPDialer:
+    """The default dialer (see ``TCPDialer``)."""
+    return TCPDialer(reactor, timeout)
 
 
 def parseParent(url: str) -> tuple[str, int]:
@@ -386,8 +410,8 @@ class FrontDoor(Protocol):
             return
         self.awaiting = False
         granted()
-        if len(grant.addresses) == 1:
-            address: str | None = str(grant.addresses[0])
+        if grant.shown is not None:
+            address: str | None = grant.shown
         else:
             address = getattr(upstream.transport.getPeer(), "host", None)
         started = self.factory.reactor.seconds()
@@ -419,6 +443,23 @@ class FrontDoor(Protocol):
         )
         if not self.gone:
             refused(r)
+
+
+class _DirectDial(ClientFactory):
+    """``TCPDialer.dial``'s factory: the one protocol, and the dial's failure."""
+
+    noisy = False
+
+    def __init__(self, protocol: UpstreamProtocol, ready: Deferred[UpstreamProtocol]) -> None:
+        self._protocol = protocol
+        self._ready = ready
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return self._protocol
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        if not self._ready.called:
+            self._ready.errback(reason)
 
 
 class _OneShot(Factory):
@@ -478,6 +519,7 @@ class EgressProxyFactory(Factory):
         self._allowCache: tuple[Config, AllowList] | None = None
         self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
         self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
+        self._literalDecisions: dict[tuple[str, int], Grant | Refusal] = {}
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
@@ -595,6 +637,7 @@ class EgressProxyFactory(Factory):
             cached = self._allowCache = (config, config.sandbox.allowList)
             self._hostDecisions.clear()
             self._addressDecisions.clear()
+            self._literalDecisions.clear()
         return cached[1]
 
     def _decideHost(self, allow: AllowList, host: str, port: int) -> HostDecision:
@@ -660,12 +703,23 @@ class EgressProxyFactory(Factory):
             self.reserved += 1
         literal = name.literal
         if literal is not None:
-            try:
-                return self._checked(config, allow, name, (literal,))
-            except RefusalError:
-                if reserve:
-                    self.release()
-                raise
+            # Like the name decision, a literal's grant depends only on the
+            # config, so it is made once per (host, port) and config.
+            key = (name.host, port)
+            known = self._literalDecisions.get(key)
+            if known is None:
+                if len(self._literalDecisions) >= DECISION_CACHE:
+                    self._literalDecisions.clear()
+                try:
+                    known = self._checked(config, allow, name, (literal,))
+                except RefusalError as e:
+                    known = e.refusal
+                self._literalDecisions[key] = known
+            if isinstance(known, Grant):
+                return known
+            if reserve:
+                self.release()
+            raise RefusalError(known)
         d = self.resolver.resolve(name.host, port)
 
         def unresolved(f: Failure) -> Grant:
@@ -697,7 +751,14 @@ class EgressProxyFactory(Factory):
             reason = "; ".join(x.reason for x in decisions)
             raise RefusalError(Refusal("policy", reason, allow=allowText, address=str(first.address)))
         viaParent = config.proxy.parent is not None and any(classifyAddress(a) is None for a in ok)
-        return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent)
+        single = str(ok[0]) if len(ok) == 1 else None
+        return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent, single)
+
+    def _dial(self, ip: IPAddress, port: int, protocol: Protocol) -> Deferred[Any]:
+        dialer = self.dialer
+        if isinstance(dialer, TCPDialer) and isinstance(protocol, UpstreamProtocol):
+            return dialer.dial(ip, port, protocol)
+        return connectQuietly(dialer(ip, port), protocol)
 
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""
@@ -719,7 +780,7 @@ class EgressProxyFactory(Factory):
                 )
 
             try:
-                return connectQuietly(self.dialer(ip, grant.port), protocol).addErrback(dialFailed)
+                return self._dial(ip, grant.port, protocol).addErrback(dialFailed)
             except Exception as e:
                 return fail(RefusalError(Refusal("dial", f"could not connect to {grant.host}:{grant.port} ({ip}: {e})")))
 
@@ -739,8 +800,7 @@ class EgressProxyFactory(Factory):
                 return
             ip = grant.addresses[i]
             try:
-                endpoint = self.dialer(ip, grant.port)
-                d = connectQuietly(endpoint, protocol)
+                d = self._dial(ip, grant.port, protocol)
             except Exception as e:
                 errors.append(f"{ip}: {e}")
                 attempt(i + 1)
