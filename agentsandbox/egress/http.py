@@ -48,6 +48,7 @@ HOP_BY_HOP = frozenset(
 FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 _PORT = re.compile(r"^[1-9][0-9]{0,4}$")
+_NOT_IN_HOST = re.compile(r"[/@?#\\ \t]")
 
 #: The common case, a complete CONNECT head in one segment with plain header
 #: lines, is recognised by this strict pattern without building an h11
@@ -94,7 +95,7 @@ def parseAuthority(target: str) -> tuple[str, int] | None:
             return None
     if not host or not _PORT.match(port) or int(port) > 65535:
         return None
-    if any(c in host for c in "/@?#\\ \t"):
+    if _NOT_IN_HOST.search(host):
         return None
     return host, int(port)
 

@@ -63,7 +63,7 @@ from agentsandbox.egress.rules import (
     suggestEntry,
     unwrapMapped,
 )
-from agentsandbox.egress.splice import Tunnel, UpstreamProtocol
+from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder
 
 SOCKS_VERSION = 0x05
@@ -73,6 +73,24 @@ DECISION_CACHE = 4096
 
 #: Bytes a tunnel moves on Twisted's copy loop before splice(2) takes it over.
 ZERO_COPY_AFTER = 256 * 1024
+
+
+#: Whether splice(2) can take tunnels over here (Linux, Python 3.10+).
+_ZERO_COPY = zeroCopyAvailable()
+
+_HANDLERS: dict[bool, Any] = {}
+
+
+def _handlerClass(socks: bool) -> Any:
+    """The handler class for a connection's first byte (imported once: they import this module)."""
+    found = _HANDLERS.get(socks)
+    if found is None:
+        if socks:
+            from agentsandbox.egress.socks import SocksHandler as found
+        else:
+            from agentsandbox.egress.http import HTTPHandler as found
+        _HANDLERS[socks] = found
+    return found
 
 
 @dataclass(frozen=True)
@@ -137,13 +155,19 @@ class TCPDialer:
             return TCP4ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
         return TCP6ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
 
-    def dial(self, ip: IPAddress, port: int, protocol: UpstreamProtocol) -> Deferred[UpstreamProtocol]:
-        """Connect ``protocol`` to ``ip:port``; fires with it once connected, fails as an endpoint would."""
-        ready: Deferred[UpstreamProtocol] = Deferred()
-        protocol.dialled = ready
+    def dial(
+        self,
+        ip: IPAddress,
+        port: int,
+        protocol: UpstreamProtocol,
+        connected: Callable[[UpstreamProtocol], None],
+        failed: Callable[[Failure], None],
+    ) -> None:
+        """Connect ``protocol`` to ``ip:port``: ``connected(protocol)`` once it is,
+        or ``failed`` with the reason an endpoint would give."""
+        protocol.onConnected = connected
         # connectTCP takes IPv6 literals too; the address is never resolved again.
-        self.reactor.connectTCP(str(unwrapMapped(ip)), port, _DirectDial(protocol, ready), timeout=self.timeout)
-        return ready
+        self.reactor.connectTCP(str(unwrapMapped(ip)), port, _DirectDial(protocol, failed), timeout=self.timeout)
 
 
 def tcpDialer(reactor: Any, timeout: float = 30.0) -> TCPDialer:
@@ -223,14 +247,7 @@ class FrontDoor(Protocol):
         if self.gone or not data:
             return
         if self.handler is None:
-            if data[0] == SOCKS_VERSION:
-                from agentsandbox.egress.socks import SocksHandler
-
-                self.handler = SocksHandler(self)
-            else:
-                from agentsandbox.egress.http import HTTPHandler
-
-                self.handler = HTTPHandler(self)
+            self.handler = _handlerClass(data[0] == SOCKS_VERSION)(self)
         try:
             self.handler.dataReceived(data)
         except Exception:
@@ -308,19 +325,28 @@ class FrontDoor(Protocol):
         self.awaiting = True
         factory = self.factory
 
-        def onGrant(grant: Grant) -> Deferred[Any] | None:
+        def onGrant(grant: Grant) -> None:
             if self.gone:
                 self.awaiting = False
                 factory.release()
-                return None
-            rule = self.config.injectFor(grant.host)
-            if rule is not None and grant.port == 443:
+                return
+            if grant.port == 443 and self.config.injectFor(grant.host) is not None:
                 self._terminate(kind, grant, granted, refused)
-                return None
-            return factory.connect(self.config, grant, UpstreamProtocol()).addCallbacks(
-                lambda upstream: self._splice(kind, grant, upstream, granted),
-                lambda f: self._dialFailed(kind, grant, f, refused),
-            )
+                return
+
+            def connected(upstream: UpstreamProtocol) -> None:
+                try:
+                    self._splice(kind, grant, upstream, granted)
+                except Exception:
+                    self._bug(Failure())
+
+            def failed(f: Failure) -> None:
+                try:
+                    self._dialFailed(kind, grant, f, refused)
+                except Exception:
+                    self._bug(Failure())
+
+            factory.connectTunnel(self.config, grant, UpstreamProtocol(), connected, failed)
 
         def onRefusal(r: Refusal) -> None:
             self.awaiting = False
@@ -347,14 +373,11 @@ class FrontDoor(Protocol):
             onRefusal(e.refusal)
             return
         if isinstance(result, Grant):
-            # An IP literal: no DNS, so no Deferred until the dial.
+            # An IP literal: no DNS, so no Deferred at all.
             try:
-                d = onGrant(result)
+                onGrant(result)
             except Exception:
                 self._bug(Failure())
-                return
-            if d is not None:
-                d.addErrback(self._bug)
             return
         result.addCallbacks(onGrant, onRefusalFailure).addErrback(self._bug)
 
@@ -450,16 +473,17 @@ class _DirectDial(ClientFactory):
 
     noisy = False
 
-    def __init__(self, protocol: UpstreamProtocol, ready: Deferred[UpstreamProtocol]) -> None:
+    def __init__(self, protocol: UpstreamProtocol, failed: Callable[[Failure], None]) -> None:
         self._protocol = protocol
-        self._ready = ready
+        self._failed: Callable[[Failure], None] | None = failed
 
     def buildProtocol(self, addr: Any) -> Protocol:
         return self._protocol
 
     def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
-        if not self._ready.called:
-            self._ready.errback(reason)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            failed(reason)
 
 
 class _OneShot(Factory):
@@ -618,15 +642,10 @@ class EgressProxyFactory(Factory):
         that has moved ``zeroCopyAfter`` bytes on the copy loop is handed to
         the kernel from then on.
         """
-        if self.spliceFast:
-            from agentsandbox.egress.splice import zeroCopyAvailable
-
-            if zeroCopyAvailable():
-                tunnel.onVolume(self.zeroCopyAfter, self._zeroCopy, self.reactor)
+        if self.spliceFast and _ZERO_COPY:
+            tunnel.onVolume(self.zeroCopyAfter, self._zeroCopy, self.reactor)
 
     def _zeroCopy(self, tunnel: Tunnel) -> None:
-        from agentsandbox.egress.splice import zeroCopy
-
         if zeroCopy(tunnel, self.reactor):
             self.zeroCopied += 1
 
@@ -757,8 +776,40 @@ class EgressProxyFactory(Factory):
     def _dial(self, ip: IPAddress, port: int, protocol: Protocol) -> Deferred[Any]:
         dialer = self.dialer
         if isinstance(dialer, TCPDialer) and isinstance(protocol, UpstreamProtocol):
-            return dialer.dial(ip, port, protocol)
+            d: Deferred[Any] = Deferred()
+            dialer.dial(ip, port, protocol, d.callback, d.errback)
+            return d
         return connectQuietly(dialer(ip, port), protocol)
+
+    def connectTunnel(
+        self,
+        config: Config,
+        grant: Grant,
+        protocol: UpstreamProtocol,
+        connected: Callable[[UpstreamProtocol], None],
+        failed: Callable[[Failure], None],
+    ) -> None:
+        """``connect`` for a tunnel, reporting through callbacks.
+
+        The common case, one checked address dialled directly, needs no
+        Deferred at all; ``failed`` gets a RefusalError either way.
+        """
+        dialer = self.dialer
+        viaParent = grant.viaParent and config.proxy.parent is not None
+        if viaParent or len(grant.addresses) != 1 or not isinstance(dialer, TCPDialer):
+            self.connect(config, grant, protocol).addCallbacks(connected, failed)
+            return
+        ip = grant.addresses[0]
+
+        def dialFailed(f: Failure) -> None:
+            why = f"could not connect to {grant.host}:{grant.port} ({ip}: {f.getErrorMessage()})"
+            failed(Failure(RefusalError(Refusal("dial", why))))
+
+        try:
+            dialer.dial(ip, grant.port, protocol, connected, dialFailed)
+        except Exception as e:
+            why = f"could not connect to {grant.host}:{grant.port} ({ip}: {e})"
+            failed(Failure(RefusalError(Refusal("dial", why))))
 
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""

@@ -31,7 +31,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone
 from twisted.internet.interfaces import IHalfCloseableProtocol, ITCPTransport
 from twisted.internet.protocol import Protocol
@@ -48,9 +47,9 @@ class UpstreamProtocol(Protocol):
 
     tunnel: Tunnel | None = None
     transport: Any
-    #: Fired with this protocol from ``connectionMade`` when the dial is not an
-    #: endpoint's (``proxy.TCPDialer.dial``), which would fire its own.
-    dialled: Deferred[UpstreamProtocol] | None = None
+    #: Called with this protocol from ``connectionMade`` when the dial is not an
+    #: endpoint's (``proxy.TCPDialer.dial``), which would fire its own Deferred.
+    onConnected: Callable[[UpstreamProtocol], None] | None = None
 
     def __init__(self) -> None:
         self._early: list[bytes] = []
@@ -58,9 +57,9 @@ class UpstreamProtocol(Protocol):
         self._earlyLost: Failure | None = None
 
     def connectionMade(self) -> None:
-        ready, self.dialled = self.dialled, None
-        if ready is not None:
-            ready.callback(self)
+        connected, self.onConnected = self.onConnected, None
+        if connected is not None:
+            connected(self)
 
     def attach(self, tunnel: Tunnel) -> None:
         self.tunnel = tunnel
