@@ -112,3 +112,51 @@ class OtherUserTests(TestCase):
         # our own uid is served by the same proxy
         out, _, code = await getProcessOutputAndValue(CURL, ("-sS", "--noproxy", "", "-o", "/dev/null", "-w", "%{http_code}", "--proxy", f"http://127.0.0.1:{h.port}", "http://example.com/"), env={"PATH": "/usr/bin:/bin"})
         self.assertEqual(out, b"403")
+
+
+class RecordingPeers:
+    """Allows everyone; remembers the (client, server) pairs it was asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[tuple[str, int], tuple[str, int]]] = []
+
+    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
+        self.asked.append((client, server))
+        return None
+
+
+class _WildcardPort:
+    def getHost(self) -> object:
+        from twisted.internet.address import IPv4Address
+
+        return IPv4Address("TCP", "0.0.0.0", 3128)
+
+
+class PeerAddressTests(TestCase):
+    """The addresses the peer check gets are the connection's own, read without system calls."""
+
+    @deferredTest
+    async def test_theCheckGetsBothEndsOfTheConnection(self):
+        peers = RecordingPeers()
+        h = ProxyHarness(["echo.example.org"], FixedResolver({}), MappedDialer(reactor), peers=peers)
+        await h.start()
+        self.addCleanup(h.stop)
+        client = socket.create_connection(("127.0.0.1", h.port))
+        try:
+            mine = client.getsockname()[:2]
+            await waitFor(lambda: peers.asked, "the peer check")
+        finally:
+            client.close()
+        self.assertEqual(peers.asked, [(mine, ("127.0.0.1", h.port))])
+        # ... which is exactly what the real check needs to find our socket.
+        listening = h.service.port
+        self.assertEqual(h.factory.localAddressOf(listening), ("127.0.0.1", h.port))
+
+    def test_wildcardListenersAskTheSocket(self):
+        from agentsandbox.egress.proxy import EgressProxyFactory
+        from tests.support.egress_fixtures import makeConfig
+
+        factory = EgressProxyFactory(makeConfig(), reactor, peers=RecordingPeers())
+        self.assertIsNone(factory.localAddressOf(_WildcardPort()))
+        self.assertIsNone(factory.localAddressOf(None))
+        self.assertIsNone(factory.localAddressOf(object()))

@@ -87,6 +87,8 @@ _UID_OFFSET = _NLMSG_HEADER.size + 4 + 48 + 12
 # socket id: ports (network order), addresses (16 bytes each), interface, cookie.
 # Ports go in network order: htons() them into a native-order field.
 _REQUEST = struct.Struct("=IHHIIBBBxIHH16s16sIII")
+_ERRNO = struct.Struct("=i")
+_UID = struct.Struct("=I")
 
 
 class SockDiag:
@@ -95,40 +97,58 @@ class SockDiag:
     def __init__(self) -> None:
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
         self._seq = 0
+        # One buffer for every reply (an answer is ~100 bytes; errors echo the request).
+        self._reply = bytearray(8192)
+        #: Packed addresses by text: the proxy's own address repeats on every
+        #: connection, clients on loopback come from a handful of addresses.
+        self._packed: dict[str, tuple[int, bytes] | None] = {}
 
     def close(self) -> None:
         self._sock.close()
 
+    def _pack(self, host: str) -> tuple[int, bytes] | None:
+        """(family, 16-byte address) for an IP literal; None for anything else."""
+        found = self._packed.get(host, False)
+        if found is not False:
+            return found  # type: ignore[return-value]
+        text = host.split("%", 1)[0]
+        family = socket.AF_INET6 if ":" in text else socket.AF_INET
+        try:
+            packed: tuple[int, bytes] | None = (family, socket.inet_pton(family, text).ljust(16, b"\0"))
+        except OSError:
+            packed = None
+        if len(self._packed) >= 1024:
+            self._packed.clear()
+        self._packed[host] = packed
+        return packed
+
     def uidOf(self, local: tuple[str, int], remote: tuple[str, int]) -> int | None:
         """The uid owning the socket bound to ``local`` connected to ``remote``."""
-        lhost, rhost = local[0].split("%", 1)[0], remote[0].split("%", 1)[0]
-        six = ":" in lhost
-        if six != (":" in rhost):
+        lpacked, rpacked = self._pack(local[0]), self._pack(remote[0])
+        if lpacked is None or rpacked is None or lpacked[0] != rpacked[0]:
             return None
-        family = socket.AF_INET6 if six else socket.AF_INET
-        try:
-            lpacked = socket.inet_pton(family, lhost).ljust(16, b"\0")
-            rpacked = socket.inet_pton(family, rhost).ljust(16, b"\0")
-        except OSError:
-            return None
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        family = lpacked[0]
+        self._seq = seq = (self._seq + 1) & 0xFFFFFFFF
         message = _REQUEST.pack(
-            _REQUEST.size, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, self._seq, 0,
+            _REQUEST.size, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, seq, 0,
             family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF,
-            socket.htons(local[1]), socket.htons(remote[1]), lpacked, rpacked, 0, 0xFFFFFFFF, 0xFFFFFFFF,
+            socket.htons(local[1]), socket.htons(remote[1]), lpacked[1], rpacked[1], 0, 0xFFFFFFFF, 0xFFFFFFFF,
         )  # fmt: skip
         self._sock.send(message)
+        reply = self._reply
         while True:
-            reply = self._sock.recv(8192)
-            _length, kind, _flags, seq, _pid = _NLMSG_HEADER.unpack_from(reply)
-            if seq == self._seq:
+            got = self._sock.recv_into(reply)
+            _length, kind, _flags, answered, _pid = _NLMSG_HEADER.unpack_from(reply)
+            if answered == seq:
                 break
         if kind == _NLMSG_ERROR:
-            (code,) = struct.unpack_from("=i", reply, _NLMSG_HEADER.size)
+            (code,) = _ERRNO.unpack_from(reply, _NLMSG_HEADER.size)
             if -code == errno.ENOENT:
                 return None
             raise OSError(-code, os.strerror(-code))
-        (uid,) = struct.unpack_from("=I", reply, _UID_OFFSET)
+        if got < _UID_OFFSET + _UID.size:
+            raise OSError(errno.EPROTO, f"a sock_diag answer of {got} bytes has no uid")
+        (uid,) = _UID.unpack_from(reply, _UID_OFFSET)
         return int(uid)
 
 

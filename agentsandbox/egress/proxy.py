@@ -60,6 +60,7 @@ from agentsandbox.egress.rules import (
     AllowList,
     IPAddress,
     classifyAddress,
+    parseIP,
     suggestEntry,
     unwrapMapped,
 )
@@ -206,7 +207,18 @@ class FrontDoor(Protocol):
 
     # -------------------------------------------------------------- connection
     def _addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
-        """(client address, our address), from the socket itself where there is one."""
+        """(client address, our address), as the kernel gave them.
+
+        A TCP server transport holds the address ``accept(2)`` returned, and an
+        accepted socket's own address is its listener's when that listens on
+        one address (not a wildcard), so the common case needs no system call.
+        """
+        transport = self.transport
+        client = getattr(transport, "client", None)
+        if type(client) is tuple:
+            local = self.factory.localAddressOf(getattr(transport, "server", None))
+            if local is not None:
+                return (client[0], client[1]), local
         try:
             handle = self.transport.getHandle()
             peer, host = handle.getpeername(), handle.getsockname()
@@ -544,9 +556,30 @@ class EgressProxyFactory(Factory):
         self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
         self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
         self._literalDecisions: dict[tuple[str, int], Grant | Refusal] = {}
+        self._localAddresses: dict[Any, tuple[str, int] | None] = {}
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
+
+    def localAddressOf(self, port: Any) -> tuple[str, int] | None:
+        """The address every connection accepted by ``port`` has; None when the
+        port listens on a wildcard address (or is not a listening TCP port)."""
+        known = self._localAddresses.get(port, False)
+        if known is not False:
+            return known  # type: ignore[return-value]
+        found: tuple[str, int] | None = None
+        try:
+            host = port.getHost()
+            text, number = host.host, host.port
+        except AttributeError:
+            pass
+        else:
+            ip = parseIP(text) if isinstance(text, str) else None
+            if ip is not None and not ip.is_unspecified and unwrapMapped(ip) == ip and isinstance(number, int):
+                found = (text, number)
+        if port is not None:
+            self._localAddresses[port] = found
+        return found
 
     # -------------------------------------------------------------- lifecycle
     def startFactory(self) -> None:
