@@ -48,6 +48,32 @@ _SCALARS = (int, float, bool, str)
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
 
+def _cEncoder() -> Callable[[dict[str, Any]], str]:
+    """``_ENCODER.encode`` for flat records, without rebuilding the C encoder per call.
+
+    ``JSONEncoder.encode`` makes a new C encoder for every call; records are
+    flat dicts of scalars (no cycles to look for), so one is built here and
+    reused.  Where the C accelerator is missing, ``_ENCODER.encode`` it is.
+    """
+    from json import encoder as jsonEncoder
+
+    make = getattr(jsonEncoder, "c_make_encoder", None)
+    if make is None:
+        return _ENCODER.encode
+    try:
+        iterencode = make(
+            None, _ENCODER.default, jsonEncoder.encode_basestring_ascii, None, ":", ",", False, False, True
+        )
+        if "".join(iterencode({"a": 1, "b": "\u00e9"}, 0)) != _ENCODER.encode({"a": 1, "b": "\u00e9"}):
+            return _ENCODER.encode
+    except (TypeError, ValueError):
+        return _ENCODER.encode
+    return lambda rec: "".join(iterencode(rec, 0))
+
+
+_encode = _cEncoder()
+
+
 class AuditLog:
     """Appends JSON lines to ``path``, rotating at ``maxBytes`` and keeping ``keep`` old files."""
 
@@ -94,11 +120,12 @@ class AuditLog:
         if event not in EVENTS:
             raise ValueError(f"unknown audit event {event!r}")
         rec: dict[str, Any] = {"ts": round(self._now(), 3), "event": event}
+        given = fields.get
         for name in FIELDS:
-            value = fields.get(name)
+            value = given(name)
             if value is not None:
                 rec[name] = value if type(value) in _SCALARS else str(value)
-        line = (_ENCODER.encode(rec) + "\n").encode("ascii")
+        line = (_encode(rec) + "\n").encode("ascii")
         try:
             if self._fd is None:
                 self._open()

@@ -153,3 +153,26 @@ def test_logReadsTheConfiguredFile(tmp_path, capsys):
     bad.write_text("[audit]\nmax_bytes = -1\n")
     with pytest.raises(SystemExit, match=r"audit\.max_bytes"):
         cli.main(["log", "--config", str(bad)])
+
+
+def test_recordLinesAreWhatTheStandardEncoderWrites(tmp_path):
+    """The reused C encoder writes byte for byte what json.dumps(ensure_ascii, compact) would."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(str(path), journal=False, wallClock=lambda: 1234.5678)
+    fields = {
+        "kind": "connect",
+        "client": "[::1]:5",
+        "host": "bücher.example.org\n\"\\\t\x00",
+        "port": 443,
+        "reason": "ünicode \u2028 and \U0001f600",
+        "up": 0,
+        "down": 2**40,
+        "duration": 0.1,
+        "via": True,
+        "address": float("inf"),
+    }
+    rec = log.record("tunnel", **fields)
+    log.close()
+    line = path.read_text(encoding="ascii")
+    assert line == json.dumps(rec, ensure_ascii=True, separators=(",", ":")) + "\n"
+    assert json.loads(line) == rec
