@@ -632,9 +632,10 @@ class _Tunnel(Protocol):
                     chunked = self._chunked
                     if chunked is not None:
                         chunked.feed(buf, out)
-                        if chunked.done:
-                            self._chunked = None
-                            self._requestDone = True
+                        if not chunked.done:
+                            break  # what is left is part of a line: wait for the rest
+                        self._chunked = None
+                        self._requestDone = True
                     else:
                         take = min(self._bodyLeft, len(buf))
                         out.append(bytes(buf[:take]))
