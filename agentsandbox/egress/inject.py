@@ -663,8 +663,10 @@ class _Tunnel(Protocol):
 
     def _startRequest(self, buf: bytearray, out: list[bytes]) -> bool:
         """Parse the next request head from ``buf`` into ``out``; False when it is not all here."""
-        while buf[:2] == b"\r\n":  # RFC 9112 §2.2: blank lines before a request line
-            del buf[:2]
+        if buf[:1] in (b"\r", b"\n"):
+            # RFC 9112 §2.2 lets a server skip blank lines here, but h11 refuses
+            # them, and this parser accepts nothing h11 refuses.
+            raise Refused(400, "a blank line before the request line")
         end = buf.find(b"\r\n\r\n")
         if end < 0:
             if len(buf) > MAX_HEAD:
