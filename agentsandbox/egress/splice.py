@@ -153,7 +153,7 @@ class Tunnel:
         # When the other direction has ended too, closing (after the buffered
         # bytes) says the same as a write shutdown, one step sooner.
         if not self._upstreamEOF and ITCPTransport.providedBy(self.upstream):
-            self.upstream.loseWriteConnection()
+            shutWrite(self.upstream)
         self._maybeFinish()
 
     def clientLost(self, reason: Failure) -> None:
@@ -178,7 +178,7 @@ class Tunnel:
             return
         self._upstreamEOF = True
         if not self._clientEOF:
-            self.client.loseWriteConnection()
+            shutWrite(self.client)
         self._maybeFinish()
 
     def upstreamWriteLost(self) -> None:
@@ -225,6 +225,40 @@ class Tunnel:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def shutWrite(transport: Any) -> None:
+    """``transport.loseWriteConnection()``, at once when nothing waits to be written.
+
+    Twisted half-closes from its next ``doWrite``: a reactor turn, two epoll
+    changes and a zero-byte send before the ``shutdown(SHUT_WR)``, for every
+    tunnel whose client ends its side first.  With an empty write buffer this
+    does what that branch of ``doWrite`` does, now; the transport's state says
+    write-disconnected as before, so a later ``loseConnection`` closes at once
+    (Twisted's own path after a half-close).  Anything other than a plain
+    Twisted TCP transport with an empty buffer gets ``loseWriteConnection``.
+    """
+    try:
+        idle = (
+            type(transport).__module__ == "twisted.internet.tcp"
+            and not getattr(transport, "TLS", False)
+            and transport.connected
+            and not transport.disconnecting
+            and not transport._writeDisconnecting
+            and not transport._writeDisconnected
+            and len(transport.dataBuffer) == transport.offset
+            and not transport._tempDataLen
+            and callable(transport._closeWriteConnection)
+        )
+    except AttributeError:
+        idle = False
+    if not idle:
+        transport.loseWriteConnection()
+        return
+    transport.stopWriting()
+    transport._writeDisconnecting = True
+    transport._writeDisconnected = True
+    transport._closeWriteConnection()
 
 
 def _why(reason: Failure, side: str) -> str:
