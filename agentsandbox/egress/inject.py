@@ -663,7 +663,7 @@ class _Tunnel(Protocol):
 
     def _startRequest(self, buf: bytearray, out: list[bytes]) -> bool:
         """Parse the next request head from ``buf`` into ``out``; False when it is not all here."""
-        if buf[:1] in (b"\r", b"\n"):
+        if buf and buf[0] in b"\r\n":
             # RFC 9112 §2.2 lets a server skip blank lines here, but h11 refuses
             # them, and this parser accepts nothing h11 refuses.
             raise Refused(400, "a blank line before the request line")
