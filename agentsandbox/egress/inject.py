@@ -715,7 +715,9 @@ class _Tunnel(Protocol):
         if connection:
             named = _connectionTokens(head.fields)
             closeAfter = b"close" in named
-            dropped = named - {b"host"}
+            # Content-Length frames the body we forward: naming it in
+            # Connection must not strip it (h11 frames by it regardless).
+            dropped = named - {b"host", b"content-length"}
             if dropped & {n for n, _ in head.fields}:
                 lines = lines[:5] + [
                     part
@@ -1151,7 +1153,8 @@ def _responseFields(head: Head) -> bytes:
     drop: Any = _RESPONSE_HOP_BY_HOP
     for name, _ in fields:
         if name == b"connection":
-            drop = _RESPONSE_HOP_BY_HOP | _connectionTokens(fields)
+            # Never Content-Length: the client's copy is framed by it.
+            drop = _RESPONSE_HOP_BY_HOP | (_connectionTokens(fields) - {b"content-length"})
             break
     return b"".join([b"%b: %b\r\n" % (n, v) for n, v in fields if n not in drop])
 
