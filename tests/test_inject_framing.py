@@ -85,7 +85,7 @@ class Parsers(unittest.TestCase):
             self.assertEqual(caught.exception.status, 502)
 
     def test_chunkedBodiesAreReframedWithoutExtensionsOrTrailers(self) -> None:
-        out, done = _chunked(b"5;name=value\r\nhello\r\n6 ; x\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n")
+        out, done = _chunked(b"5;name=value\r\nhello\r\n6; x \r\n world\r\n0\r\nX-Trailer: t\r\n\r\n")
         self.assertTrue(done)
         body, rest = _dechunk(b"".join(out))
         self.assertEqual((body, rest), (b"hello world", b"\r\n"))
@@ -96,6 +96,7 @@ class Parsers(unittest.TestCase):
         for raw in [
             b"0x5\r\nhello\r\n0\r\n\r\n",
             b"-5\r\nhello\r\n0\r\n\r\n",
+            b"5 ;x\r\nhello\r\n0\r\n\r\n",  # h11 refuses whitespace before an extension
             b"5;a\nb\r\nhello\r\n0\r\n\r\n",
             b"5\r\nhelloXX0\r\n\r\n",
             b"5\nhello\r\n0\r\n\r\n",

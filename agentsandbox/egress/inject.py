@@ -112,7 +112,9 @@ _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])")
 _RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: ([\t \x21-\x7e\x80-\xff]*))?\r\n" + _FIELDS)
 _FIELD_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
-_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[\t ]*(?:;[\t \x21-\x7e\x80-\xff]*)?")
+# Whitespace may follow the size or the extensions, never come between them:
+# h11 refuses "5 ;ext" and this parser accepts nothing h11 refuses.
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t \x21-\x7e\x80-\xff]*|[\t ]*)")
 
 
 class Refused(Exception):
