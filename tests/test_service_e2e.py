@@ -451,8 +451,10 @@ def test_c_git_clone_with_the_token_injected_at_the_fake(stack: Stack, session: 
     assert any(s["path"].startswith("/o/r/info/refs") for s in gitRequests), session.fake
     # The fake accepts nothing else, and saw exactly the injected Basic credential every time.
     assert {s["authorization"] for s in gitRequests} == {"basic"}, session.fake
-    assert any(r.get("event") == "tunnel" and r.get("host") == "github.com" and r.get("via") == "inject"
-               for r in session.audit), session.audit
+    injected = [r for r in session.audit if r.get("event") == "tunnel" and r.get("host") == "github.com" and r.get("via") == "inject"]
+    assert injected, session.audit
+    # Both directions are counted: the clone came down through the terminated tunnel.
+    assert all(r.get("up", 0) > 0 and r.get("down", 0) > 0 for r in injected), injected
 
 
 def test_c_token_absent_from_sandbox_env_outputs_and_files(stack: Stack, session: Session) -> None:

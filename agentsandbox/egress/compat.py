@@ -107,12 +107,15 @@ class WriteThrough:
 
     def __init__(self, transport: Any) -> None:
         self._transport = transport
+        #: Bytes handed to the socket side so far, for the audit record.
+        self.written = 0
         directlyProvides(self, *providedBy(transport))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
     def write(self, data: bytes) -> None:
+        self.written += len(data)
         t = self._transport
         if (
             t._tempDataBuffer

@@ -657,6 +657,8 @@ class EgressProxyFactory(Factory):
                 port=grant.port,
                 via="inject",
                 up=counted["up"],
+                # Ciphertext sent to the client, counted where the terminator writes.
+                down=getattr(getattr(door.terminated, "transport", None), "written", None),
                 duration=round(self.reactor.seconds() - started, 3),
             )
 
