@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from agentsandbox.files import atomicWrite
 from agentsandbox.paths import DROP_IN_NAME, managedDir
 from agentsandbox.policy import ENV_MARKER, Policy, under
 
@@ -158,24 +159,6 @@ class InstallResult:
     steps: tuple[str, ...]
 
 
-def _atomicWrite(path: str, data: bytes, mode: int = 0o644) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".agentsandbox-", dir=directory)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
@@ -216,8 +199,8 @@ def install(policy: Policy, managed: str | None = None, stage: str | None = None
     try:
         os.makedirs(dropDir, mode=0o755, exist_ok=True)
         if needBase:
-            _atomicWrite(base, b"{}\n")
-        _atomicWrite(target, data)
+            atomicWrite(base, b"{}\n", 0o644)
+        atomicWrite(target, data, 0o644)
         return InstallResult(True, target, ())
     except PermissionError:
         pass

@@ -20,6 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from agentsandbox.files import atomicWrite
+
 #: The fixed word gh sends as its token; the proxy replaces the header.
 GH_PLACEHOLDER = "agentsandbox-egress-proxy"
 
@@ -95,17 +97,8 @@ def writeEgressDir(
 
 
 def _atomic(path: str, data: bytes) -> None:
-    tmp = path + ".new"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        atomicWrite(path, data, 0o600)
     except OSError as e:
         raise EgressDirError(f"cannot write {path}: {e.strerror or e}") from None
 

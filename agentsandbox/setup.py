@@ -22,7 +22,6 @@ never touches anything setup did not write.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import hashlib
 import json
@@ -30,13 +29,13 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
 from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.doctor import Runner, systemRunner
+from agentsandbox.files import atomicWrite
 from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, managedDir
 from agentsandbox.policy import Policy, executable
 
@@ -174,24 +173,11 @@ class Record:
         return cls(files=dict(files), dirs=list(dirs), enabled=list(enabled))
 
     def save(self, path: str) -> None:
-        _atomicWrite(path, self.toJSON().encode(), 0o600)
+        atomicWrite(path, self.toJSON().encode(), 0o600)
 
     @property
     def empty(self) -> bool:
         return not (self.files or self.dirs or self.enabled)
-
-
-def _atomicWrite(path: str, data: bytes, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".agentsandbox-", dir=os.path.dirname(path))
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _makeDirs(path: str, record: Record, mode: int = 0o755) -> None:
@@ -254,7 +240,7 @@ class Setup:
                 self.say(f"  left {path} as it is: it was edited after setup wrote it")
                 return False
         _makeDirs(os.path.dirname(path), self.record)
-        _atomicWrite(path, data, mode)
+        atomicWrite(path, data, mode)
         self.record.files[path] = want
         return True
 

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import BinaryIO
 
@@ -22,6 +21,7 @@ from agentsandbox.broker import client
 from agentsandbox.broker import spool as wire
 from agentsandbox.broker.client import BrokerError, NoBroker
 from agentsandbox.broker.spool import Request
+from agentsandbox.files import atomicWrite
 
 EX_UNAVAILABLE = 69
 EX_USAGE = 2
@@ -237,26 +237,11 @@ def sshSignMain(argv: list[str]) -> int:
         sys.stderr.flush()
     if reply.code == 0:
         try:
-            _writeFile(bufferFile + ".sig", reply.out, 0o644)
+            atomicWrite(bufferFile + ".sig", reply.out, 0o644)
         except OSError as e:
             _say("ssh-sign", f"cannot write {bufferFile}.sig: {e.strerror}")
             return 1
     return reply.code if reply.code is not None else 1
-
-
-def _writeFile(path: str, data: bytes, mode: int) -> None:
-    """Temp file beside ``path`` (created with ``mode``), then rename over it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".agentsandbox-", dir=directory)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- host
@@ -333,7 +318,7 @@ def kubeconfigMain(argv: list[str]) -> int:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", args.context)
         path = os.path.join(directory, f"kubeconfig-{safe}")
     try:
-        _writeFile(path, reply.out, 0o600)
+        atomicWrite(path, reply.out, 0o600)
     except OSError as e:
         _say("kubeconfig", f"cannot write {path}: {e.strerror}")
         return 1
