@@ -18,6 +18,7 @@ from agentsandbox.broker.ops import minifyKubeconfig, proxyKubeconfig, socksProx
 from agentsandbox.broker.server import BrokerService
 from agentsandbox.broker.spool import Request
 from tests.support.broker_support import REPO, asyncTest, makeConfig, tempBase
+from tests.support.gpg import makeSigningKey, stopGpgAgent
 
 GPG_KEY_NAME = "Broker Test <broker-test@example.org>"
 
@@ -25,25 +26,7 @@ GPG_KEY_NAME = "Broker Test <broker-test@example.org>"
 def makeGpgHome(base: str) -> tuple[str, str]:
     """A GNUPGHOME with one passphrase-less signing key; returns (home, fingerprint)."""
     home = os.path.join(base, "gnupg")
-    os.makedirs(home, mode=0o700)
-    env = dict(os.environ, GNUPGHOME=home)
-    subprocess.run(
-        ["gpg", "--batch", "--pinentry-mode", "loopback", "--passphrase", "",
-         "--quick-gen-key", GPG_KEY_NAME, "ed25519", "sign", "never"],
-        env=env, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    listing = subprocess.run(
-        ["gpg", "--batch", "--with-colons", "--list-secret-keys"],
-        env=env, check=True, capture_output=True, text=True, timeout=60,
-    ).stdout  # fmt: skip
-    fingerprint = next(line.split(":")[9] for line in listing.splitlines() if line.startswith("fpr:"))
-    return home, fingerprint
-
-
-def stopGpgAgent(home: str) -> None:
-    subprocess.run(
-        ["gpgconf", "--kill", "gpg-agent"], env=dict(os.environ, GNUPGHOME=home), capture_output=True, timeout=30
-    )
+    return home, makeSigningKey(home, GPG_KEY_NAME)
 
 
 class SignTests(unittest.TestCase):

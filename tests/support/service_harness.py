@@ -46,6 +46,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
+from tests.support import gpg
+
 REPO = Path(__file__).resolve().parents[2]
 #: The documentation address the resolver gives GitHub's names; only the dialer maps it.
 FAKE_GITHUB_ADDRESS = "203.0.113.10"
@@ -206,29 +208,11 @@ SIGNER = "Sandbox Signer <signer@example.org>"
 
 
 def makeSigningKey(gnupgHome: Path) -> str:
-    """A passphrase-less ed25519 signing key in ``gnupgHome`` (0700); its fingerprint."""
-    gnupgHome.mkdir(mode=0o700, parents=True, exist_ok=True)
-    gnupgHome.chmod(0o700)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GNUPGHOME": str(gnupgHome)}
-    subprocess.run(
-        ["gpg", "--batch", "--pinentry-mode", "loopback", "--passphrase", "",
-         "--quick-gen-key", SIGNER, "ed25519", "sign", "never"],
-        env=env, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    listing = subprocess.run(
-        ["gpg", "--batch", "--with-colons", "--list-secret-keys"],
-        env=env, check=True, capture_output=True, text=True, timeout=60,
-    ).stdout  # fmt: skip
-    return next(line.split(":")[9] for line in listing.splitlines() if line.startswith("fpr:"))
+    """The signer's key in ``gnupgHome``; its fingerprint."""
+    return gpg.makeSigningKey(gnupgHome, SIGNER)
 
 
-def stopGpgAgent(gnupgHome: Path) -> None:
-    """gpg-agent daemonizes out of every process group: end it by its home."""
-    subprocess.run(
-        ["gpgconf", "--kill", "gpg-agent"],
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GNUPGHOME": str(gnupgHome)},
-        capture_output=True, timeout=30,
-    )  # fmt: skip
+stopGpgAgent = gpg.stopGpgAgent
 
 
 def seedBareRepo(bare: Path, scratch: Path, readme: str) -> None:
