@@ -72,7 +72,7 @@ class AgentSandbox(MultiService):
         resolver: IResolver | None = None,
         dialer: Dialer | None = None,
         peers: Any = None,
-        trustRoot: Any = None,
+        upstreamTrust: bytes | None = None,
         procDir: str = "/proc",
         environ: dict[str, str] | None = None,
         watchConfig: bool = True,
@@ -84,7 +84,7 @@ class AgentSandbox(MultiService):
         self.holder = ConfigHolder(config)
         self.audit = CountingAudit(AuditLog.fromConfig(config))
         self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
-        self.trustRoot = trustRoot
+        self.upstreamTrust = upstreamTrust
         self._clock = clock
         #: Why the proxy could not listen (None while it listens or has not tried).
         self.startFailure: str | None = None
@@ -109,7 +109,7 @@ class AgentSandbox(MultiService):
         self.tokens = TokenKeepers(config.inject, reactor, clock, self.environ)
         self.tokens.setServiceParent(self)
 
-        self.injection = _Injection(config, self.tokens, self.dialer, reactor, trustRoot)
+        self.injection = _Injection(config, self.tokens, self.dialer, reactor, upstreamTrust)
         self.proxyFactory = EgressProxyFactory(
             self.holder,
             reactor,
@@ -254,10 +254,10 @@ class _Injection:
     egress dir is rewritten with it.
     """
 
-    def __init__(self, config: Config, tokens: TokenKeepers, dialer: Dialer, reactor: Any, trustRoot: Any) -> None:
+    def __init__(self, config: Config, tokens: TokenKeepers, dialer: Dialer, reactor: Any, upstreamTrust: bytes | None) -> None:
         self.dialer = dialer
         self.reactor = reactor
-        self.trustRoot = trustRoot
+        self.upstreamTrust = upstreamTrust
         self.injector: Any = None
         self.ca: Any = None
         self.rebuild(config, tokens)
@@ -274,7 +274,7 @@ class _Injection:
             self.ca = None
             self.injector = None
         elif self.injector is None:
-            self.injector = Injector(self.ca, routes, self.dialer, self.reactor, trustRoot=self.trustRoot)
+            self.injector = Injector(self.ca, routes, self.dialer, self.reactor, upstreamTrust=self.upstreamTrust)
         else:
             self.injector.swap(self.ca, routes)
 

@@ -194,7 +194,6 @@ def serveUpstream(workdir: str, ready: Any) -> None:
 
 def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
     from twisted.internet import reactor
-    from twisted.internet import ssl as tssl
     from twisted.internet.protocol import Factory
 
     from agentsandbox.config import githubRules
@@ -204,13 +203,15 @@ def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
     from tests.support.inject_harness import FixedToken
 
     with open(os.path.join(workdir, "upstream-ca.pem"), "rb") as f:
-        trust = tssl.trustRootFromCertificates([tssl.Certificate.loadPEM(f.read())])
+        trust = f.read()
     rules = githubRules()
     ca = InjectionCA.create([h for r in rules for h in r.hosts], label="bench")
     dialer = LoopbackDialer(reactor)
     dialer.map(UPSTREAM_ADDRESS, upstreamPort)
     holder = FixedToken(TOKEN)
-    injector = Injector(ca, routesFor(rules, lambda rule: holder), dialer, reactor, trustRoot=trust)
+    injector = Injector(
+        ca, routesFor(rules, lambda rule: holder), dialer, reactor, upstreamTrust=trust
+    )
 
     class Tunnels(Factory):
         def buildProtocol(self, addr: Any) -> Any:
@@ -369,7 +370,8 @@ def main() -> int:
         print(
             f"bench/inject.py: wrk, 1 thread, {args.connections} connections, {args.seconds:g}s a phase; "
             f"{os.cpu_count()} CPUs shared by wrk, proxy and upstream; "
-            f"Python {sys.version.split()[0]}, Twisted {twisted.__version__}, pyOpenSSL {OpenSSL.__version__}"
+            f"Python {sys.version.split()[0]}, Twisted {twisted.__version__}, pyOpenSSL {OpenSSL.__version__}, "
+            f"the injector's TLS: {ssl.OPENSSL_VERSION}"
         )
         rates: dict[tuple[str, bool], float] = {}
         for close in (False, True):

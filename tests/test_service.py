@@ -169,7 +169,7 @@ class ServiceCase(unittest.TestCase):
             configPath=self.configPath,
             resolver=self.resolver,
             dialer=self.dialer,
-            trustRoot=self.pki.trustRoot(),
+            upstreamTrust=self.pki.pem,
             environ=self.env,
             handleSignals=False,
         )

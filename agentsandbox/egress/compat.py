@@ -4,14 +4,14 @@ Debian 12 ships Twisted 22.4, cryptography 38 and pyOpenSSL 23; PyPI has
 Twisted 26, cryptography 50 and pyOpenSSL 26.  The gaps that matter to the
 terminating proxy (``reference/packaging.md`` §1.8):
 
-- pyOpenSSL 23 takes only its own ``PKey``/``X509`` wrappers; 26 deprecates
-  them and takes *cryptography* objects.
+- pyOpenSSL 23 takes only its own ``X509`` wrapper where 26 deprecates it in
+  favour of *cryptography* objects (the tests verify leaves with its
+  ``X509Store``).
 - cryptography 42 added the ``*_utc`` validity accessors and deprecated the
   naive ones.
-- Twisted 26 lets ``TLSMemoryBIOFactory`` take the clock it batches small
-  writes with; 22.4 has no such argument.
-- Neither writes to a socket before the next reactor iteration; ``WriteThrough``
-  does, using only the FileDescriptor attributes both versions share.
+- Neither Twisted writes to a socket before the next reactor iteration;
+  ``WriteThrough`` does, using only the FileDescriptor attributes both
+  versions share.
 
 Everything else uses APIs both stacks have.
 """
@@ -19,50 +19,12 @@ Everything else uses APIs both stacks have.
 from __future__ import annotations
 
 import datetime
-import inspect
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec
-from OpenSSL import SSL, crypto
+from OpenSSL import crypto
 from twisted.internet.abstract import FileDescriptor
-from twisted.internet.interfaces import IProtocolFactory, IReactorTime
-from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from zope.interface import directlyProvides, providedBy
-
-_FACTORY_TAKES_CLOCK = "clock" in inspect.signature(TLSMemoryBIOFactory.__init__).parameters
-
-
-def tlsFactory(
-    creator: Any, isClient: bool, wrapped: IProtocolFactory, clock: IReactorTime
-) -> TLSMemoryBIOFactory:
-    """A ``TLSMemoryBIOFactory`` that uses the injected clock where Twisted lets it."""
-    if _FACTORY_TAKES_CLOCK:
-        return TLSMemoryBIOFactory(creator, isClient, wrapped, clock=clock)
-    return TLSMemoryBIOFactory(creator, isClient, wrapped)
-
-
-def useKeyAndChain(
-    context: SSL.Context,
-    key: ec.EllipticCurvePrivateKey,
-    leaf: x509.Certificate,
-    chain: list[x509.Certificate],
-) -> None:
-    """Load a private key, its certificate and the chain above it into ``context``."""
-    try:
-        context.use_privatekey(key)
-    except TypeError:  # pyOpenSSL < 24.3
-        context.use_privatekey(crypto.PKey.from_cryptography_key(key))
-    try:
-        context.use_certificate(leaf)
-    except TypeError:
-        context.use_certificate(crypto.X509.from_cryptography(leaf))
-    for cert in chain:
-        try:
-            context.add_extra_chain_cert(cert)
-        except TypeError:
-            context.add_extra_chain_cert(crypto.X509.from_cryptography(cert))
-    context.check_privatekey()
 
 
 def toX509(cert: x509.Certificate) -> crypto.X509:
@@ -143,18 +105,3 @@ def writeThrough(transport: Any) -> Any:
     if isinstance(transport, FileDescriptor) and all(hasattr(transport, a) for a in _FD_ATTRIBUTES):
         return WriteThrough(transport)
     return transport
-
-
-class WriteThroughTLS(TLSMemoryBIOProtocol):
-    """``TLSMemoryBIOProtocol`` whose ciphertext goes out through ``WriteThrough``."""
-
-    def makeConnection(self, transport: Any) -> None:
-        # Each write is a whole TLS record meant to go now: Nagle would only
-        # hold a response back behind the peer's delayed ACK.
-        setNoDelay = getattr(transport, "setTcpNoDelay", None)
-        if setNoDelay is not None:
-            try:
-                setNoDelay(True)
-            except OSError:
-                pass
-        super().makeConnection(writeThrough(transport))  # type: ignore[no-untyped-call,unused-ignore]

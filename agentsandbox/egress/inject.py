@@ -37,11 +37,13 @@ Nothing here logs a header, a body or a token.
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from typing import Protocol as TypingProtocol
 
+from service_identity import VerificationError
 from twisted.internet import defer, endpoints
 from twisted.internet.interfaces import (
     IDelayedCall,
@@ -50,16 +52,16 @@ from twisted.internet.interfaces import (
     IPushProducer,
     IReactorTime,
 )
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import InjectRule
-from agentsandbox.egress.compat import WriteThroughTLS, tlsFactory
 from agentsandbox.egress.interfaces import Dialer, ITerminator
 from agentsandbox.egress.rules import IPAddress
-from agentsandbox.egress.tls import InjectionCA, upstreamCreator
+from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
+from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
 
 log = Logger(namespace="agentsandbox.egress.inject")
 
@@ -353,8 +355,9 @@ class Injector:
     """Terminates tunnels to injected hosts and forwards their requests with the token.
 
     ``dialer`` reaches a checked address (the proxy's, or a test's that maps
-    addresses to loopback); ``trustRoot`` is the upstream trust (the system's
-    roots when None; tests pass their own CA here, never through config).
+    addresses to loopback); ``upstreamTrust`` is the upstream trust in PEM (the
+    system's roots when None; tests pass their own CA here, never through
+    config).
     """
 
     def __init__(
@@ -363,7 +366,7 @@ class Injector:
         routes: Mapping[str, Route],
         dialer: Dialer,
         reactor: IReactorTime,
-        trustRoot: Any = None,
+        upstreamTrust: bytes | None = None,
         idleTimeout: float = 300.0,
         upstreamIdleTimeout: float = 60.0,
         handshakeTimeout: float = 30.0,
@@ -371,7 +374,7 @@ class Injector:
     ) -> None:
         self._reactor = reactor
         self._dialer = dialer
-        self._trustRoot = trustRoot
+        self._upstreamContext = upstreamContext(upstreamTrust)
         self.idleTimeout = idleTimeout
         self.upstreamIdleTimeout = upstreamIdleTimeout
         self.handshakeTimeout = handshakeTimeout
@@ -379,8 +382,6 @@ class Injector:
         #: Requests sent upstream with the rule's header set, for ``status``.
         self.injectedRequests = 0
         self._idle: dict[str, list[_Upstream]] = {}
-        self._serverFactories: dict[str, Any] = {}
-        self._clientFactories: dict[str, Any] = {}
         self.ca = ca
         self.routes: Mapping[str, Route] = {}
         self.swap(ca, routes)
@@ -392,8 +393,6 @@ class Injector:
         if not set(routes) <= set(ca.hosts):
             missing = sorted(set(routes) - set(ca.hosts))
             raise ValueError(f"the CA is not constrained to {', '.join(missing)}")
-        if ca is not self.ca:
-            self._serverFactories = {}
         self.ca = ca
         self.routes = dict(routes)
 
@@ -411,13 +410,8 @@ class Injector:
         route = self.routes.get(host)
         if route is None:
             raise KeyError(f"{host} has no inject rule")
-        factory = self._serverFactories.get(host)
-        if factory is None:
-            factory = self._serverFactories[host] = tlsFactory(
-                self.ca.serverCreator(host), False, Factory(), self._reactor
-            )
         tunnel = _Tunnel(self, route, tuple(addresses))
-        return WriteThroughTLS(factory, tunnel)  # type: ignore[no-untyped-call,unused-ignore]
+        return TLSStream(self.ca.serverContext(host), tunnel, serverSide=True)
 
     # ------------------------------------------------------------------ upstream pool
 
@@ -432,10 +426,6 @@ class Injector:
         return self._dial(host, addresses)
 
     def _dial(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
-        factory = self._clientFactories.get(host)
-        if factory is None:
-            creator = upstreamCreator(host, self._trustRoot)
-            factory = self._clientFactories[host] = tlsFactory(creator, True, Factory(), self._reactor)
         errors: list[str] = []
 
         def attempt(index: int) -> defer.Deferred[_Upstream]:
@@ -444,7 +434,13 @@ class Injector:
                 return defer.fail(UpstreamError(host, f"cannot connect ({why})"))
             address = addresses[index]
             upstream = _Upstream(self, host, address)
-            tls = WriteThroughTLS(factory, upstream)  # type: ignore[no-untyped-call,unused-ignore]
+            tls = TLSStream(
+                self._upstreamContext,
+                upstream,
+                serverSide=False,
+                serverHostname=host,
+                verify=verifyUpstream(host),
+            )
             d: defer.Deferred[Any] = endpoints.connectProtocol(  # type: ignore[no-untyped-call,unused-ignore]
                 self._dialer(address, HTTPS_PORT), tls
             )
@@ -495,12 +491,14 @@ class UpstreamError(Exception):
 def _lostWhy(reason: Failure) -> str:
     """A short, token-free account of why an upstream connection ended."""
     value = reason.value
-    args = getattr(value, "args", ())
-    if type(value).__module__.startswith("OpenSSL") and args and isinstance(args[0], list):
-        parts = [str(p[-1]) for p in args[0] if isinstance(p, tuple) and p]
-        if parts:
-            return "TLS failed: " + ", ".join(parts)
-    if type(value).__name__ == "VerificationError":
+    if isinstance(value, ssl.SSLCertVerificationError):
+        return f"TLS failed: the certificate was refused ({value.verify_message})"
+    if isinstance(value, ssl.SSLError):
+        what = value.reason or value.strerror or type(value).__name__
+        return f"TLS failed: {what.replace('_', ' ').lower()}"
+    if isinstance(value, TLSHandshakeError):
+        return f"TLS failed: {value}"
+    if isinstance(value, VerificationError):
         return f"TLS failed: the certificate does not name the host ({value})"
     return reason.getErrorMessage() or type(value).__name__
 

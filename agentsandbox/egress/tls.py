@@ -5,45 +5,40 @@ serialised, so nothing on disk can mint a certificate a sandboxed client
 trusts.  It is name-constrained (critical) to exactly the injected hosts and
 excludes every IP address, so even a stolen CA could vouch for nothing else.
 
-Server side: one ``SSL.Context`` per injected host, holding that host's leaf,
-whatever SNI the client sends (the tunnel decides the host, never the
-ClientHello), TLS 1.2 at least, ALPN answered with ``http/1.1`` only.  The
-context is built here rather than through ``CertificateOptions`` because
-Twisted 26's ``CertificateOptions`` without ``acceptableProtocols`` fails every
-ALPN-offering client (curl always offers it) with an internal_error, and 22.4
-has no SNI hook to reuse.
+Both TLS sides are the standard library's ``ssl`` (spoken through
+``tlsstream.TLSStream``; why there):
 
-Client side (upstream): Twisted's ``optionsForClientTLS``, which verifies the
-chain against the trust root (the system's by default) and the host name with
-service-identity.
+Server side: one ``ssl.SSLContext`` per injected host, holding that host's
+leaf whatever SNI the client sends (the tunnel decides the host, never the
+ClientHello), TLS 1.2 at least, no renegotiation, ALPN answered with
+``http/1.1`` only (a client offering only h2 gets no ALPN, which means
+HTTP/1.1).
+
+Client side (upstream): the chain verified against the system's roots (or a
+test's CA, injected, never from config), the host name checked by OpenSSL
+during the handshake and again with service-identity before any request is
+sent.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import secrets
 import socket
-from collections.abc import Iterable
-from typing import Any
+import ssl
+from collections.abc import Callable, Iterable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from OpenSSL import SSL
-from twisted.internet import ssl as tssl
-from twisted.internet._sslverify import IOpenSSLTrustRoot
-from twisted.internet.interfaces import (
-    IOpenSSLClientConnectionCreator,
-    IOpenSSLServerConnectionCreator,
-)
-from twisted.protocols.tls import TLSMemoryBIOProtocol
-from zope.interface import implementer
+from service_identity.cryptography import verify_certificate_hostname
 
-from agentsandbox.egress.compat import notValidAfter, notValidBefore, useKeyAndChain
+from agentsandbox.egress.compat import notValidAfter, notValidBefore
 
-ALPN_HTTP11 = b"http/1.1"
+ALPN_HTTP11 = "http/1.1"
 
 #: The CA and its leaves are valid from an hour ago (clock skew) for a year;
 #: the CA is remade at every start, so this is an upper bound, not a lifetime.
@@ -88,7 +83,7 @@ class InjectionCA:
         self.certificate = certificate
         self.leafKey = leafKey
         self._leaves: dict[str, x509.Certificate] = {}
-        self._contexts: dict[str, SSL.Context] = {}
+        self._contexts: dict[str, ssl.SSLContext] = {}
 
     @classmethod
     def create(
@@ -187,55 +182,82 @@ class InjectionCA:
             .sign(self._key, hashes.SHA256())
         )
 
-    def serverContext(self, host: str) -> SSL.Context:
+    def serverContext(self, host: str) -> ssl.SSLContext:
         """The cached server context that presents ``host``'s leaf to every client."""
         context = self._contexts.get(host)
         if context is None:
             context = self._contexts[host] = _serverContext(self.leafKey, self.leaf(host), self.certificate)
         return context
 
-    def serverCreator(self, host: str) -> IOpenSSLServerConnectionCreator:
-        return _HostServerCreator(self.serverContext(host))
-
-
-def _selectALPN(connection: SSL.Connection, offered: list[bytes]) -> Any:
-    # A client that offers only h2 gets no ALPN at all, which means HTTP/1.1.
-    chosen: Any = ALPN_HTTP11 if ALPN_HTTP11 in offered else SSL.NO_OVERLAPPING_PROTOCOLS
-    return chosen  # type: ignore[no-any-return,unused-ignore]
-
 
 def _serverContext(
     key: ec.EllipticCurvePrivateKey, leaf: x509.Certificate, ca: x509.Certificate
-) -> SSL.Context:
-    context = SSL.Context(SSL.TLS_METHOD)
-    context.set_min_proto_version(SSL.TLS1_2_VERSION)
-    context.set_options(
-        SSL.OP_NO_COMPRESSION | SSL.OP_CIPHER_SERVER_PREFERENCE | SSL.OP_SINGLE_ECDH_USE
+) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= (
+        ssl.OP_NO_COMPRESSION
+        | ssl.OP_CIPHER_SERVER_PREFERENCE
+        | ssl.OP_SINGLE_ECDH_USE
+        | ssl.OP_NO_RENEGOTIATION
     )
-    useKeyAndChain(context, key, leaf, [ca])
-    context.set_alpn_select_callback(_selectALPN)
-    # No servername callback: OpenSSL then ignores SNI and every ClientHello
-    # gets this context's leaf, the tunnel's host.
+    # A client that offers only h2 gets no ALPN at all, which means HTTP/1.1.
+    context.set_alpn_protocols([ALPN_HTTP11])
+    # No sni_callback: OpenSSL then ignores SNI and every ClientHello gets
+    # this context's leaf, the tunnel's host.
+    _loadKeyAndChain(context, key, [leaf, ca])
     return context
 
 
-@implementer(IOpenSSLServerConnectionCreator)
-class _HostServerCreator:
-    def __init__(self, context: SSL.Context) -> None:
-        self._context = context
+def _loadKeyAndChain(
+    context: ssl.SSLContext, key: ec.EllipticCurvePrivateKey, chain: list[x509.Certificate]
+) -> None:
+    """Load ``key`` and ``chain`` (leaf first) without them touching a file system.
 
-    def serverConnectionForTLS(self, tlsProtocol: TLSMemoryBIOProtocol) -> SSL.Connection:
-        return SSL.Connection(self._context, None)
-
-
-def upstreamCreator(
-    host: str, trustRoot: IOpenSSLTrustRoot | None = None
-) -> IOpenSSLClientConnectionCreator:
-    """TLS to the real ``host``: chain verified against ``trustRoot`` (the
-    system's roots when None), name checked with service-identity, HTTP/1.1."""
-    options: IOpenSSLClientConnectionCreator = tssl.optionsForClientTLS(
-        host,
-        trustRoot=trustRoot if trustRoot is not None else tssl.platformTrust(),  # type: ignore[no-untyped-call,unused-ignore]
-        acceptableProtocols=[ALPN_HTTP11],
+    The standard library loads keys only from a path.  The path given is an
+    anonymous memory file (``memfd_create``, never on disk, closed at once),
+    and the key in it is encrypted under a random password that exists only
+    in this process, so even a reader of ``/proc/<pid>/fd`` in that instant
+    learns nothing.
+    """
+    password = secrets.token_bytes(32)
+    pem = b"".join(c.public_bytes(serialization.Encoding.PEM) for c in chain) + key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(password),
     )
-    return options
+    fd = os.memfd_create("agentsandbox-leaf", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(pem)
+        while view:
+            view = view[os.write(fd, view) :]
+        context.load_cert_chain(f"/proc/self/fd/{fd}", password=password)
+    finally:
+        os.close(fd)
+
+
+def upstreamContext(trust: bytes | None = None) -> ssl.SSLContext:
+    """TLS to the real hosts: chains verified against ``trust`` (PEM; the
+    system's roots when None), host names by OpenSSL, HTTP/1.1 only.
+
+    ``verifyUpstream`` checks the name again with service-identity after the
+    handshake, before a request goes out.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if trust is None:
+        context.load_default_certs()
+    else:
+        context.load_verify_locations(cadata=trust.decode("ascii"))
+    context.set_alpn_protocols([ALPN_HTTP11])
+    return context
+
+
+def verifyUpstream(host: str) -> Callable[[bytes], None]:
+    """A ``TLSStream`` verifier: the certificate (DER) must name ``host``
+    (service-identity; raises its ``VerificationError`` otherwise)."""
+
+    def verify(der: bytes) -> None:
+        verify_certificate_hostname(x509.load_der_x509_certificate(der), host)
+
+    return verify

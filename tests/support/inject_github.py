@@ -88,9 +88,6 @@ class TestPKI:
     def pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def trustRoot(self) -> Any:
-        return ssl.trustRootFromCertificates([ssl.Certificate.loadPEM(self.pem)])
-
     def serverOptions(self, names: Iterable[str]) -> ssl.CertificateOptions:
         """Server TLS for ``names`` (ALPN http/1.1, which ALPN clients need on Twisted 26)."""
         key = ec.generate_private_key(ec.SECP256R1())

@@ -132,7 +132,7 @@ class InjectHarness:
             routesFor(self.rules, lambda rule: self.holder),
             self.dialer,
             reactor,
-            trustRoot=self.pki.trustRoot() if trustUpstream else None,
+            upstreamTrust=self.pki.pem if trustUpstream else None,
         )
         self.tunnels: dict[str, int] = {}
         for host in hosts:

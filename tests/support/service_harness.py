@@ -373,7 +373,7 @@ def _childMain(argv: list[str]) -> int:
     dialer.route(FAKE_GITHUB_ADDRESS, 443, fakePort)
 
     service = makeService(config, reactor, configPath=args.config, resolver=resolver, dialer=dialer,
-                          trustRoot=pki.trustRoot())
+                          upstreamTrust=pki.pem)
     failed: list[str] = []
 
     def ready(port: Any) -> None:
