@@ -12,12 +12,15 @@ import ssl
 from typing import Any
 from unittest import mock
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from service_identity import VerificationError
 from twisted.internet import defer, endpoints, reactor
 from twisted.internet import ssl as tssl
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IHandshakeListener
 from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.testing import StringTransport
 from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
@@ -325,3 +328,62 @@ class LeafKeyLoading(unittest.TestCase):
         self.assertEqual(pem.count(b"-----BEGIN CERTIFICATE-----"), 2)  # leaf, then the CA
         # The memory file is closed again.
         self.assertEqual(set(os.listdir("/proc/self/fd")) - before, set())
+
+
+# ---------------------------------------------------------------------- bad input
+
+_FUZZ = settings(max_examples=1_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+_SERVER_CA = InjectionCA.create([HOST], label="tlsstream fuzz")
+
+
+def _server() -> tuple[TLSStream, Recorder, StringTransport]:
+    inner = Recorder()
+    stream = TLSStream(_SERVER_CA.serverContext(HOST), inner, serverSide=True)
+    transport = StringTransport()
+    stream.makeConnection(transport)
+    return stream, inner, transport
+
+
+def _endIfClosed(stream: TLSStream, inner: Recorder, transport: StringTransport) -> None:
+    """What the reactor would do once a closing transport is gone."""
+    if transport.disconnecting:
+        stream.connectionLost(Failure(ConnectionDone()))
+        assert inner.reason is not None
+        assert isinstance(inner.reason.value, (ssl.SSLError, TLSHandshakeError)), inner.reason
+
+
+@_FUZZ
+@given(st.lists(st.binary(max_size=700), max_size=6))
+def test_garbageBeforeTheHandshakeDeliversNothingAndRaisesNothing(chunks: list[bytes]) -> None:
+    stream, inner, transport = _server()
+    for chunk in chunks:
+        stream.dataReceived(chunk)
+    assert inner.received == b""
+    assert "handshake" not in inner.events
+    _endIfClosed(stream, inner, transport)
+
+
+@_FUZZ
+@given(st.binary(min_size=1, max_size=2000), st.integers(0, 64))
+def test_garbageAfterTheHandshakeIsATLSErrorAndNothingIsDelivered(garbage: bytes, keep: int) -> None:
+    stream, inner, transport = _server()
+    # A real client in memory: the standard library's, trusting our CA.
+    context = ssl.create_default_context(cadata=_SERVER_CA.pem.decode("ascii"))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = context.wrap_bio(incoming, outgoing, server_hostname=HOST)
+    for _ in range(4):
+        try:
+            client.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            stream.dataReceived(outgoing.read())
+            incoming.write(transport.value())
+            transport.clear()
+    stream.dataReceived(outgoing.read())  # the client's Finished
+    assert inner.events == ["connected", "handshake"]
+    client.write(b"real bytes")
+    record = outgoing.read()
+    # A valid record, then a cut or altered copy of one, then garbage.
+    stream.dataReceived(record + record[:keep] + garbage)
+    assert bytes(inner.received) == b"real bytes"  # a replayed record never decrypts
+    _endIfClosed(stream, inner, transport)
