@@ -17,16 +17,16 @@ from hypothesis import strategies as st
 from service_identity import VerificationError
 from twisted.internet import defer, endpoints, reactor
 from twisted.internet import ssl as tssl
-from twisted.internet.error import ConnectionDone
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IHandshakeListener
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol, ServerFactory
 from twisted.internet.testing import StringTransport
 from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 from zope.interface import implementer
 
-from agentsandbox.egress import tls as tlsModule
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
 from tests.support.inject_github import TestPKI
@@ -95,13 +95,15 @@ class Base(unittest.TestCase):
         self.pki = TestPKI.create()
 
     def listen(self, build: Any) -> int:
-        class OneShot(Factory):
+        class OneShot(ServerFactory):
             def buildProtocol(self, addr: Any) -> Any:
                 return build()
 
-        port = reactor.listenTCP(0, OneShot(), interface="127.0.0.1")  # type: ignore[attr-defined]
+        port = reactor.listenTCP(0, OneShot(), interface="127.0.0.1")  # type: ignore[attr-defined,unused-ignore]
         self.addCleanup(port.stopListening)
-        return int(port.getHost().port)
+        host = port.getHost()
+        assert isinstance(host, IPv4Address)
+        return int(host.port)
 
     def connect(self, port: int, protocol: Any) -> defer.Deferred[Any]:
         endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
@@ -129,6 +131,7 @@ class ServerSide(Base):
         yield self.connect(port, self.twistedClient(client, self.ca.pem))
         yield client.lost
         reason = client.reason
+        assert reason is not None
         yield server.lost
         # The server's early write waited for the handshake, then went out.
         self.assertEqual(bytes(client.received), b"hello before the handshake ends")
@@ -149,7 +152,24 @@ class ServerSide(Base):
         client.transport.loseConnection()  # type: ignore[union-attr]
         yield server.lost
         reason = server.reason
+        assert reason is not None
         reason.trap(ConnectionDone)
+        yield client.lost
+
+    @defer.inlineCallbacks
+    def test_aTCPCloseWithoutCloseNotifyEndsWithConnectionLost(self) -> Any:
+        server = Recorder()
+        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        client = Recorder(greeting=b"one")
+        clientTLS = self.twistedClient(client, self.ca.pem)
+        yield self.connect(port, clientTLS)
+        yield server.got
+        clientTLS.transport.loseConnection()  # the TCP connection under the client's TLS
+        yield server.lost
+        reason = server.reason
+        assert reason is not None
+        reason.trap(ConnectionLost)
+        self.assertIn("without TLS close_notify", reason.getErrorMessage())
         yield client.lost
 
     @defer.inlineCallbacks
@@ -160,6 +180,7 @@ class ServerSide(Base):
         yield self.connect(port, self.twistedClient(client, self.pki.pem))  # trusts another CA
         yield server.lost
         reason = server.reason
+        assert reason is not None
         yield client.lost
         self.assertIsInstance(reason.value, ssl.SSLError)
         self.assertEqual(server.received, b"")
@@ -174,6 +195,7 @@ class ServerSide(Base):
         yield self.connect(port, raw)
         yield server.lost
         reason = server.reason
+        assert reason is not None
         yield raw.lost
         self.assertIsInstance(reason.value, ssl.SSLError)
         self.assertEqual(server.received, b"")
@@ -189,6 +211,7 @@ class ServerSide(Base):
         raw.transport.loseConnection()  # type: ignore[union-attr]
         yield server.lost
         reason = server.reason
+        assert reason is not None
         self.assertIsInstance(reason.value, TLSHandshakeError)
         self.assertIn("during the TLS handshake", str(reason.value))
 
@@ -246,6 +269,7 @@ class ClientSide(Base):
         stream.loseConnection()
         yield server.lost
         reason = server.reason
+        assert reason is not None
         reason.trap(ConnectionDone)
 
     @defer.inlineCallbacks
@@ -256,6 +280,7 @@ class ClientSide(Base):
         yield self.connect(port, self.stream(client, upstreamContext(None)))  # the system roots
         yield client.lost
         reason = client.reason
+        assert reason is not None
         self.assertIsInstance(reason.value, ssl.SSLCertVerificationError)
         self.assertNotIn("handshake", client.events)
         yield server.lost
@@ -269,7 +294,9 @@ class ClientSide(Base):
         yield self.connect(port, self.stream(client, upstreamContext(self.pki.pem)))
         yield client.lost
         reason = client.reason
+        assert reason is not None
         self.assertIsInstance(reason.value, ssl.SSLCertVerificationError)
+        assert isinstance(reason.value, ssl.SSLCertVerificationError)
         self.assertIn("api.github.com", reason.value.verify_message)
         yield server.lost
         self.assertEqual(server.received, b"")
@@ -286,6 +313,7 @@ class ClientSide(Base):
         yield self.connect(port, self.stream(client, context))
         yield client.lost
         reason = client.reason
+        assert reason is not None
         self.assertIsInstance(reason.value, VerificationError)
         self.assertEqual(client.events, ["connected", "lost"])
         yield server.lost
@@ -301,6 +329,7 @@ class ClientSide(Base):
         stream.loseConnection()
         yield server.lost
         reason = server.reason
+        assert reason is not None
         self.assertEqual(bytes(server.received), b"last words")
         reason.trap(ConnectionDone)
 
@@ -308,7 +337,8 @@ class ClientSide(Base):
 class LeafKeyLoading(unittest.TestCase):
     def test_theKeyGoesToOpenSSLEncryptedThroughAnAnonymousMemoryFile(self) -> None:
         seen: list[bytes] = []
-        real = tlsModule.ssl.SSLContext.load_cert_chain
+        # tls.py's contexts are this ssl module's SSLContext: patching the class reaches them.
+        real = ssl.SSLContext.load_cert_chain
 
         def spy(context: ssl.SSLContext, certfile: Any, keyfile: Any = None, password: Any = None) -> None:
             self.assertTrue(str(certfile).startswith("/proc/self/fd/"), certfile)
@@ -319,7 +349,7 @@ class LeafKeyLoading(unittest.TestCase):
 
         ca = InjectionCA.create([HOST], label="memfd test")
         before = set(os.listdir("/proc/self/fd"))
-        with mock.patch.object(tlsModule.ssl.SSLContext, "load_cert_chain", spy):
+        with mock.patch.object(ssl.SSLContext, "load_cert_chain", spy):
             ca.serverContext(HOST)
         [pem] = seen
         self.assertIn(b"-----BEGIN ENCRYPTED PRIVATE KEY-----", pem)

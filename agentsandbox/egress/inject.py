@@ -45,6 +45,7 @@ from typing import Protocol as TypingProtocol
 
 from service_identity import VerificationError
 from twisted.internet import defer, endpoints
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import (
     IDelayedCall,
     IHandshakeListener,
@@ -1137,7 +1138,9 @@ class _Upstream(Protocol):
             # Unregister from the client's transport first: a TLS transport
             # with a producer registered never finishes closing.
             self.unpair()
-            if self._state is _UNTIL_CLOSE and self._lostWhy is None:
+            if self._state is _UNTIL_CLOSE and self._lostWhy is None and reason.check(ConnectionDone):
+                # Only a close_notify ends a close-delimited body: a bare TCP
+                # close may be a cut, which the client must see as one.
                 self._state = _IDLE
                 tunnel.fromUpstream(b"", False, True)
             tunnel.upstreamLost(self._lostWhy or _lostWhy(reason))

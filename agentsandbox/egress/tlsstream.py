@@ -30,7 +30,9 @@ What ``TLSStream`` is, and what it deliberately is not:
   peer's (RFC 8446 §6.1 lets either side close at once).  A received
   close_notify is answered and ends the connection with ``ConnectionDone``;
   a TLS error sends OpenSSL's alert, closes, and is the reason
-  ``connectionLost`` gets.
+  ``connectionLost`` gets.  A peer that closes TCP without close_notify ends
+  it with ``ConnectionLost``: the data may be cut short (a close-delimited
+  HTTP body is then not complete), and the wrapped protocol can tell.
 
 Ciphertext goes out through ``compat.writeThrough``: sent at once when
 nothing is queued before it.
@@ -42,7 +44,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import (
     IConsumer,
     IHandshakeListener,
@@ -132,8 +134,12 @@ class TLSStream(Protocol):
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
         if self._reason is not None:
             reason = self._reason
-        elif not self._handshakeDone and not self._shutDown and not self._aborted:
-            reason = Failure(TLSHandshakeError("the connection closed during the TLS handshake"))
+        elif not self._shutDown and not self._aborted:
+            # Neither a close_notify nor our own close came first.
+            if not self._handshakeDone:
+                reason = Failure(TLSHandshakeError("the connection closed during the TLS handshake"))
+            elif reason.check(ConnectionDone):
+                reason = Failure(ConnectionLost("the peer closed the connection without TLS close_notify"))
         self._shutDown = True
         self.wrapped.connectionLost(reason)
 
