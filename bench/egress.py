@@ -160,7 +160,7 @@ def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str) 
     audit = AuditLog(os.path.join(state, "audit.jsonl"), maxBytes=64 << 20)
     factory = EgressProxyFactory(config, reactor, audit=audit, spliceFast=fast)
     ProxyService(factory).startService()
-    reactor.run()
+    reactor.run()  # type: ignore[attr-defined,unused-ignore]
 
 
 # --------------------------------------------------------------------------- clients
@@ -345,11 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     ports["bare twisted"] = freePort()
     procs["bare twisted"] = child("bare", str(ports["bare twisted"]))
     for name, kind in (("agentsandbox", "agentsandbox"), ("agentsandbox copy loop", "agentsandbox-copy")):
-        port = freePort()
+        proxyPort = freePort()
         state = os.path.join(work, kind)
         os.makedirs(state)
-        ports[name] = port
-        procs[name] = child(kind, str(port), str(bulkPort), str(echoPort), state)
+        ports[name] = proxyPort
+        procs[name] = child(kind, str(proxyPort), str(bulkPort), str(echoPort), state)
     try:
         waitPort(bulkPort)
         waitPort(echoPort)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             name: tuple(statistics.median(x[i] for x in got) for i in range(3))
             for name, got in samples.items()
         }
-        idle, held = rssWithTunnels(procs["agentsandbox"].pid, ports["agentsandbox"] or 0, echoPort, opts.hold)  # type: ignore[arg-type]
+        idle, held = rssWithTunnels(procs["agentsandbox"].pid, ports["agentsandbox"] or 0, echoPort, opts.hold)
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)

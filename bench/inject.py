@@ -194,7 +194,8 @@ def serveUpstream(workdir: str, ready: Any) -> None:
 
 def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
     from twisted.internet import reactor
-    from twisted.internet.protocol import Factory
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.protocol import ServerFactory
 
     from agentsandbox.config import githubRules
     from agentsandbox.egress.inject import Injector, routesFor
@@ -210,16 +211,18 @@ def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
     dialer.map(UPSTREAM_ADDRESS, upstreamPort)
     holder = FixedToken(TOKEN)
     injector = Injector(
-        ca, routesFor(rules, lambda rule: holder), dialer, reactor, upstreamTrust=trust
+        ca, routesFor(rules, lambda rule: holder), dialer, reactor, upstreamTrust=trust  # type: ignore[arg-type,unused-ignore]
     )
 
-    class Tunnels(Factory):
+    class Tunnels(ServerFactory):
         def buildProtocol(self, addr: Any) -> Any:
             return injector.terminate(HOST, [UPSTREAM_ADDRESS])
 
-    port = reactor.listenTCP(0, Tunnels(), interface="127.0.0.1", backlog=512)  # type: ignore[attr-defined]
-    ready.put(port.getHost().port)
-    reactor.run()  # type: ignore[attr-defined]
+    port = reactor.listenTCP(0, Tunnels(), interface="127.0.0.1", backlog=512)  # type: ignore[attr-defined,unused-ignore]
+    host = port.getHost()
+    assert isinstance(host, IPv4Address)
+    ready.put(host.port)
+    reactor.run()  # type: ignore[attr-defined,unused-ignore]
 
 
 # ---------------------------------------------------------------------- mitmproxy

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -12,11 +15,11 @@ from agentsandbox import cli
 from agentsandbox.audit import AuditLog, journalLine, parseDuration, readRecords, suggestions
 
 
-def clockAt(t):
+def clockAt(t: list[float]) -> Callable[[], float]:
     return lambda: t[0]
 
 
-def test_recordKeepsOnlyDecisionFields(tmp_path):
+def test_recordKeepsOnlyDecisionFields(tmp_path: Path) -> None:
     log = AuditLog(str(tmp_path / "a" / "audit.jsonl"), journal=False, wallClock=lambda: 100.0)
     rec = log.record(
         "refused",
@@ -44,7 +47,7 @@ def test_recordKeepsOnlyDecisionFields(tmp_path):
         log.record("whatever")
 
 
-def test_rotation(tmp_path):
+def test_rotation(tmp_path: Path) -> None:
     path = str(tmp_path / "audit.jsonl")
     log = AuditLog(path, maxBytes=400, keep=2, journal=False)
     for i in range(40):
@@ -57,42 +60,44 @@ def test_rotation(tmp_path):
     assert hosts[-1] == "h39.example.org"
 
 
-def test_unwritableAuditKeepsGoing(tmp_path):
+def test_unwritableAuditKeepsGoing(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     log = AuditLog(str(tmp_path / "file" / "audit.jsonl"), journal=False)
     assert log.record("peer", client="x", reason="r")["event"] == "peer"
 
 
-def test_journalLines():
+def test_journalLines() -> None:
     assert journalLine({"event": "refused", "kind": "socks", "host": "a", "port": 1, "client": "c", "reason": "why"}) == "egress: refused socks a:1 from c: why"
     assert "10 bytes up, 20 down" in journalLine({"event": "tunnel", "kind": "connect", "host": "a", "port": 1, "up": 10, "down": 20, "duration": 1.5})
     assert journalLine({"event": "peer", "client": "c", "reason": "uid"}) == "egress: refused a connection from c: uid"
 
 
-def test_journalGoesThroughTwistedLogger(tmp_path):
-    from twisted.logger import globalLogPublisher
+def test_journalGoesThroughTwistedLogger(tmp_path: Path) -> None:
+    from twisted.logger import ILogObserver, globalLogPublisher
 
-    seen = []
-    globalLogPublisher.addObserver(seen.append)
+    seen: list[dict[str, Any]] = []
+    # Any callable observes; the stubs ask for the interface.
+    observer = cast(ILogObserver, seen.append)
+    globalLogPublisher.addObserver(observer)
     try:
         AuditLog(str(tmp_path / "a.jsonl")).record("refused", kind="connect", host="example.net", port=443, reason="r")
     finally:
-        globalLogPublisher.removeObserver(seen.append)
+        globalLogPublisher.removeObserver(observer)
     assert any(e.get("line", "").startswith("egress: refused connect example.net:443") for e in seen)
 
 
 @pytest.mark.parametrize("text,seconds", [("90", 90), ("30s", 30), ("10m", 600), ("2h", 7200), ("7d", 604800), ("1w", 604800), ("1.5h", 5400)])
-def test_parseDuration(text, seconds):
+def test_parseDuration(text: str, seconds: float) -> None:
     assert parseDuration(text) == seconds
 
 
 @pytest.mark.parametrize("bad", ["", "ten", "5y", "-1h", "1h2m"])
-def test_parseDurationRefuses(bad):
+def test_parseDurationRefuses(bad: str) -> None:
     with pytest.raises(ValueError, match="not a duration"):
         parseDuration(bad)
 
 
-def fill(path, now):
+def fill(path: str, now: list[float]) -> None:
     log = AuditLog(path, journal=False, wallClock=lambda: now[0])
     now[0] = 1000.0
     log.record("tunnel", kind="connect", host="ok.example.org", port=443, up=1, down=2, duration=0.5)
@@ -105,7 +110,7 @@ def fill(path, now):
     log.close()
 
 
-def test_logCommand(tmp_path, capsys):
+def test_logCommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(tmp_path / "audit.jsonl")
     fill(path, [0.0])
     assert cli.main(["log", "--file", path]) == 0
@@ -125,7 +130,7 @@ def test_logCommand(tmp_path, capsys):
     assert "not a duration" in capsys.readouterr().err
 
 
-def test_suggestCommand(tmp_path, capsys):
+def test_suggestCommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(tmp_path / "audit.jsonl")
     fill(path, [0.0])
     from agentsandbox.audit import suggestMain
@@ -142,7 +147,7 @@ def test_suggestCommand(tmp_path, capsys):
     assert found["old.example.net"].count == 1
 
 
-def test_logReadsTheConfiguredFile(tmp_path, capsys):
+def test_logReadsTheConfiguredFile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "config.toml"
     audit = tmp_path / "state" / "a.jsonl"
     cfg.write_text(f'[audit]\nfile = "{audit}"\n')
@@ -155,7 +160,7 @@ def test_logReadsTheConfiguredFile(tmp_path, capsys):
         cli.main(["log", "--config", str(bad)])
 
 
-def test_recordLinesAreWhatTheStandardEncoderWrites(tmp_path):
+def test_recordLinesAreWhatTheStandardEncoderWrites(tmp_path: Path) -> None:
     """The reused C encoder writes byte for byte what json.dumps(ensure_ascii, compact) would."""
     path = tmp_path / "audit.jsonl"
     log = AuditLog(str(path), journal=False, wallClock=lambda: 1234.5678)

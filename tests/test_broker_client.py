@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -246,7 +247,7 @@ def test_sshSignOutsideOrForVerifyIsTheRealSshKeygen(tmp_path: os.PathLike[str])
 
 
 @pytest.fixture
-def brokerProcess() -> BrokerProcess:
+def brokerProcess() -> Iterator[BrokerProcess]:
     base = tempBase()
     spool = os.path.join(base, "spool")
     config = os.path.join(base, "config.toml")
@@ -254,7 +255,7 @@ def brokerProcess() -> BrokerProcess:
         f.write(f'[broker]\nspool = "{spool}"\n')
     env = pythonEnv({"HOME": os.path.join(base, "home")})
     broker = BrokerProcess(config, env, spool)
-    yield broker  # type: ignore[misc]
+    yield broker
     broker.stop()
     shutil.rmtree(base, ignore_errors=True)
 

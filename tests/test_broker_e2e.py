@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import pytest
 
 from tests.support.broker_support import BrokerProcess, launcher, pythonEnv, tempBase
-from tests.test_broker_ops import GPG_KEY_NAME, KUBECONFIG, makeGpgHome, stopGpgAgent
+from tests.support.gpg import stopGpgAgent
+from tests.test_broker_ops import GPG_KEY_NAME, KUBECONFIG, makeGpgHome
 
 pytestmark = pytest.mark.srt
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -131,7 +132,7 @@ def _userBus() -> str | None:
 
 
 @pytest.fixture
-def scopeBroker() -> BrokerProcess:
+def scopeBroker() -> Iterator[BrokerProcess]:
     base = tempBase()
     spool = os.path.join(base, "spool")
     config = os.path.join(base, "config.toml")
@@ -140,7 +141,7 @@ def scopeBroker() -> BrokerProcess:
     env = pythonEnv({"HOME": os.path.join(base, "home")})
     broker = BrokerProcess(config, env, spool)
     broker.base = base  # type: ignore[attr-defined]
-    yield broker  # type: ignore[misc]
+    yield broker
     broker.stop()
     shutil.rmtree(base, ignore_errors=True)
 

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from twisted.internet import defer, reactor, task, threads
@@ -70,7 +71,7 @@ class BrokerCase(unittest.TestCase):
         return self.startBroker()
 
     def startBroker(self, **overrides: Any) -> Any:
-        args = {"holderInterval": 0.2, "killDelay": 0.5, "environ": dict(os.environ)}
+        args: dict[str, Any] = {"holderInterval": 0.2, "killDelay": 0.5, "environ": dict(os.environ)}
         args.update(self.serviceArgs)
         args.update(overrides)
         self.service = BrokerService(self.config, reactor=reactor, **args)
@@ -403,7 +404,8 @@ class DroppedAnswerTests(BrokerCase):
         self.assertEqual(spoolNames(self.spool), [])
         self.assertEqual(self.service.stats.counts["run"], {"dropped": 1})
 
-    _requesterFor = SpoolTests._requester
+    # Borrowed: it uses only BrokerCase's parts, but its self is typed SpoolTests.
+    _requesterFor: Callable[..., tuple[subprocess.Popen[bytes], str]] = SpoolTests._requester
 
 
 class OriginTests(unittest.TestCase):

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import pytest
 from twisted.internet.utils import getProcessOutputAndValue
@@ -37,7 +38,7 @@ WEB_ADDRESS = "192.0.2.80"
 class ClientTests(TestCase):
     spliceFast = True
 
-    async def setUpWeb(self, bigFile: int = 0):
+    async def setUpWeb(self, bigFile: int = 0) -> None:
         for tool in (CURL, GIT, GIT_HTTP_BACKEND):
             if not os.path.exists(tool):
                 raise SkipTest(f"{tool} is not installed (apt install curl git)")
@@ -55,7 +56,7 @@ class ClientTests(TestCase):
         self.proxyURL = f"http://127.0.0.1:{self.proxy.port}"
 
     @deferredTest
-    async def test_curlForward(self):
+    async def test_curlForward(self) -> None:
         await self.setUpWeb()
         out, err, code = await curl(
             "--proxy", self.proxyURL, "--proxy-user", "srt:placeholder",
@@ -79,14 +80,14 @@ class ClientTests(TestCase):
         self.assertTrue(all(r["status"] == 200 for r in forwards))
 
     @deferredTest
-    async def test_curlForwardRefused(self):
+    async def test_curlForwardRefused(self) -> None:
         await self.setUpWeb()
         out, _, _ = await curl("--proxy", self.proxyURL, "-w", "%{http_code}", "http://example.com/")
         self.assertEqual(out.splitlines()[-1], b"403")
         self.assertIn(b"example.com:80 is not on the sandbox's allow list", out)
 
     @deferredTest
-    async def test_curlConnect(self):
+    async def test_curlConnect(self) -> None:
         await self.setUpWeb()
         out, err, code = await curl("-p", "--proxy", self.proxyURL, f"http://{WEB}:443/headers")
         self.assertEqual(code, 0, err)
@@ -96,7 +97,7 @@ class ClientTests(TestCase):
         self.assertIn(b"403", err)
 
     @deferredTest
-    async def test_curlSocks5Hostname(self):
+    async def test_curlSocks5Hostname(self) -> None:
         await self.setUpWeb()
         out, err, code = await curl("--socks5-hostname", f"127.0.0.1:{self.proxy.port}", "--proxy-user", "srt:placeholder", f"http://{WEB}/headers")
         self.assertEqual(code, 0, err)
@@ -106,7 +107,7 @@ class ClientTests(TestCase):
         self.assertEqual(self.proxy.resolver.lookups, [WEB])
 
     @deferredTest
-    async def test_gitClone(self):
+    async def test_gitClone(self) -> None:
         await self.setUpWeb()
         dest = os.path.join(self.root, "clone")
         env = {
@@ -132,7 +133,7 @@ class ClientTests(TestCase):
 
     @pytest.mark.slow
     @deferredTest
-    async def test_oneGiBThroughATunnel(self):
+    async def test_oneGiBThroughATunnel(self) -> None:
         await self.setUpWeb()
         path = os.path.join(self.root, "files", "big")
         block = hashlib.sha256(b"seed").digest() * (1 << 15)  # 1 MiB, not all one byte
@@ -154,7 +155,7 @@ class ClientTests(TestCase):
         self.assertEqual(self.proxy.factory.zeroCopied, 1 if self.spliceFast else 0)
 
 
-def _twoJSON(out: bytes):
+def _twoJSON(out: bytes) -> tuple[Any, Any]:
     text = out.decode()
     dec = json.JSONDecoder()
     first, end = dec.raw_decode(text)

@@ -7,15 +7,19 @@ examples each; a smaller batch then goes over live loopback sockets.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import fail
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.error import ConnectionDone, ConnectionRefusedError
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
+from zope.interface import implementer, provider
 
 from agentsandbox.egress.proxy import EgressProxyFactory
 from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
@@ -24,13 +28,14 @@ CONFIG = makeConfig(domainsToml(["*.example.org", "example.net:443", "127.0.0.1:
 RESOLVER = FixedResolver({"a.example.org": ["192.0.2.1"], "b.example.org": ["10.0.0.1", "127.0.0.1"], "example.net": ["192.0.2.2"]})
 
 
+@implementer(IStreamClientEndpoint)
 class RefusingEndpoint:
-    def connect(self, factory):
+    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
         return fail(ConnectionRefusedError("test upstream refuses"))
 
 
 class HalfCloseTransport(StringTransport):
-    def loseWriteConnection(self):
+    def loseWriteConnection(self) -> None:
         self.disconnecting = True
 
 
@@ -65,10 +70,11 @@ def allowedAnswer(written: bytes) -> bool:
 
 
 @pytest.fixture
-def loggedFailures():
-    errors = []
+def loggedFailures() -> Iterator[list[LogEvent]]:
+    errors: list[LogEvent] = []
 
-    def observe(event):
+    @provider(ILogObserver)
+    def observe(event: LogEvent) -> None:
         if event.get("log_failure") is not None or (event.get("log_level") is not None and event["log_level"].name == "critical"):
             errors.append(event)
 
@@ -107,7 +113,7 @@ HEADS = st.one_of(
 )
 
 
-def socksRequest(ver, cmd, atyp, addr, port):
+def socksRequest(ver: int, cmd: int, atyp: int, addr: bytes, port: int) -> bytes:
     return bytes([ver, cmd, 0, atyp]) + addr + port.to_bytes(2, "big")
 
 
@@ -148,7 +154,7 @@ FUZZ = settings(max_examples=10_000, deadline=None, database=None, suppress_heal
 
 @FUZZ
 @given(HEADS, st.lists(st.integers(0, 4096), max_size=4))
-def test_requestHeads(loggedFailures, head, cuts):
+def test_requestHeads(loggedFailures: list[LogEvent], head: bytes, cuts: list[int]) -> None:
     written, closed = drive(splits(head, cuts))
     assert closed, head
     assert allowedAnswer(written), (head, written)
@@ -157,7 +163,7 @@ def test_requestHeads(loggedFailures, head, cuts):
 
 @FUZZ
 @given(GREETINGS, st.lists(st.integers(0, 4096), max_size=4))
-def test_socksGreetings(loggedFailures, greeting, cuts):
+def test_socksGreetings(loggedFailures: list[LogEvent], greeting: bytes, cuts: list[int]) -> None:
     written, closed = drive(splits(greeting, cuts))
     assert closed, greeting
     assert allowedAnswer(written), (greeting, written)

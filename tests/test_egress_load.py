@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionDone
@@ -34,6 +36,9 @@ def openFds() -> int:
 
 class Source(Protocol):
     """Sends ``size`` bytes of a known pattern as fast as the proxy takes them, then closes."""
+
+    #: A TCP transport: also the consumer this producer registers with (not in ITransport).
+    transport: Any
 
     BLOCK = hashlib.sha256(b"source").digest() * 2048  # 64 KiB
 
@@ -70,7 +75,7 @@ class Source(Protocol):
 class SmallWindowCollector(Collector):
     """A client with a fixed 1 MiB receive buffer (no autotuning up to tcp_rmem's max)."""
 
-    def makeConnection(self, transport) -> None:
+    def makeConnection(self, transport: Any) -> None:
         import socket
 
         transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
@@ -79,6 +84,9 @@ class SmallWindowCollector(Collector):
 
 class Resetter(Protocol):
     """Sends 1 MiB, then resets the connection (RST) mid-transfer."""
+
+    #: A TCP transport: abortConnection is not in ITransport.
+    transport: Any
 
     def connectionMade(self) -> None:
         self.transport.write(b"r" * (1 << 20))
@@ -89,7 +97,7 @@ class LoadTests(TestCase):
     """Run with the zero-copy splice; ``LoadTestsCopyLoop`` runs them on Twisted's copy loop."""
 
     spliceFast = True
-    async def proxy(self, upstream=Echo, **kw):
+    async def proxy(self, upstream: Callable[[], Protocol] = Echo, **kw: Any) -> ProxyHarness:
         server = await listen(Factory.forProtocol(upstream))
         self.addCleanup(server.stopListening)
         dialer = MappedDialer(reactor)
@@ -100,14 +108,14 @@ class LoadTests(TestCase):
         return h
 
     @deferredTest
-    async def test_fiveHundredTunnelsThenFdsBackToBaseline(self):
+    async def test_fiveHundredTunnelsThenFdsBackToBaseline(self) -> None:
         # every tunnel goes to splice(2) at once here, so its pipes are counted too
         h = await self.proxy(zeroCopyAfter=0)
         # warm up once so lazily created fds (thread pools, log files) exist in the baseline
         await exchange(h.port, CONNECT + b"warm")
         await waitFor(lambda: not h.factory.tunnels, "the warm-up tunnel to close")
         baseline = openFds()
-        clients = []
+        clients: list[Collector] = []
         for _ in range(500):
             c = Collector(CONNECT)
             clients.append(c)
@@ -129,7 +137,7 @@ class LoadTests(TestCase):
         self.assertEqual(h.factory.zeroCopied, 500 if self.spliceFast else 0)
 
     @deferredTest
-    async def test_upstreamResetMidTransfer(self):
+    async def test_upstreamResetMidTransfer(self) -> None:
         h = await self.proxy(upstream=Resetter)
         c = Collector(CONNECT)
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
@@ -149,7 +157,7 @@ class LoadTests(TestCase):
 
 
     @deferredTest
-    async def test_halfCloseAfterTheTunnelOpened(self):
+    async def test_halfCloseAfterTheTunnelOpened(self) -> None:
         h = await self.proxy()
         c = Collector(CONNECT)
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
@@ -166,7 +174,7 @@ class LoadTests(TestCase):
         self.assertEqual(h.factory.zeroCopied, 1 if self.spliceFast else 0)
 
     @deferredTest
-    async def test_backPressureFromASlowClient(self):
+    async def test_backPressureFromASlowClient(self) -> None:
         size = 64 << 20
         h = await self.proxy(upstream=lambda: Source(size))
         c = SmallWindowCollector(CONNECT)
@@ -198,7 +206,7 @@ class LoadTestsCopyLoop(LoadTests):
 
 class LiveGarbageTests(TestCase):
     @deferredTest
-    async def test_garbageOverLiveSocketsLeavesTheProxyServing(self):
+    async def test_garbageOverLiveSocketsLeavesTheProxyServing(self) -> None:
         import random
 
         server = await listen(Factory.forProtocol(Echo))

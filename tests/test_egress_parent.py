@@ -8,6 +8,7 @@ parent gets the *name*, resolves it itself and applies its own policy.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
@@ -27,7 +28,7 @@ from tests.support.egress_servers import webSite
 
 
 class ParentTests(TestCase):
-    async def setUpParent(self, table):
+    async def setUpParent(self, table: Mapping[str, Sequence[str]]) -> None:
         import tempfile
 
         echo = await listen(Factory.forProtocol(Echo))
@@ -58,7 +59,7 @@ class ParentTests(TestCase):
         self.addCleanup(self.h.stop)
 
     @deferredTest
-    async def test_allowedNameLeavesThroughTheParentByName(self):
+    async def test_allowedNameLeavesThroughTheParentByName(self) -> None:
         await self.setUpParent({"echo.example.org": ["192.0.2.10"]})
         out = await exchange(self.h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nvia parent")
         self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nvia parent")
@@ -67,7 +68,7 @@ class ParentTests(TestCase):
         self.assertEqual(self.h.records()[-1]["via"], "parent")
 
     @deferredTest
-    async def test_checksHereStillApply(self):
+    async def test_checksHereStillApply(self) -> None:
         await self.setUpParent({"private.example.org": ["10.0.0.7"]})
         out = await exchange(self.h.port, b"CONNECT example.net:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403", out)
@@ -76,21 +77,21 @@ class ParentTests(TestCase):
         self.assertEqual(self.parent.seen, [])
 
     @deferredTest
-    async def test_nameOnlyTheParentResolves(self):
+    async def test_nameOnlyTheParentResolves(self) -> None:
         await self.setUpParent({})
         out = await exchange(self.h.port, b"CONNECT inner.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nhi")
         self.assertTrue(out.endswith(b"hi"), out)
         self.assertEqual(self.parent.seen, ["inner.example.org:443"])
 
     @deferredTest
-    async def test_parentRefusalIs502NamingTheParent(self):
+    async def test_parentRefusalIs502NamingTheParent(self) -> None:
         await self.setUpParent({"blocked.example.org": ["192.0.2.11"]})
         out = await exchange(self.h.port, b"CONNECT blocked.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"502 Bad Gateway", out)
         self.assertIn(b"the parent proxy: answered 403 Forbidden to CONNECT blocked.example.org:443", out)
 
     @deferredTest
-    async def test_forwardThroughTheParent(self):
+    async def test_forwardThroughTheParent(self) -> None:
         await self.setUpParent({"web.example.org": ["192.0.2.80"]})
         out = await exchange(self.h.port, b"GET http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nProxy-Authorization: Basic eA==\r\nConnection: close\r\n\r\n")
         head, _, body = out.partition(b"\r\n\r\n")
@@ -101,7 +102,7 @@ class ParentTests(TestCase):
         self.assertEqual(self.parent.seen, ["web.example.org:80"])
 
     @deferredTest
-    async def test_explicitLoopbackEntryIsDialledDirectly(self):
+    async def test_explicitLoopbackEntryIsDialledDirectly(self) -> None:
         await self.setUpParent({})
         out = await exchange(self.h.port, b"CONNECT 127.0.0.1:%d HTTP/1.1\r\nHost: x\r\n\r\nlocal" % self.loopEcho)
         self.assertTrue(out.endswith(b"local"), out)

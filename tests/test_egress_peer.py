@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pathlib
 import shutil
 import socket
 import sys
@@ -30,7 +31,7 @@ LITTLE = sys.byteorder == "little"
 
 
 @pytest.mark.skipif(not LITTLE, reason="the fixtures below are written in little-endian word order")
-def test_parseProcAddressWordOrder():
+def test_parseProcAddressWordOrder() -> None:
     assert parseProcAddress("0100007F:1F90") == (ipaddress.ip_address("127.0.0.1"), 8080)
     # ::1 is stored as four host-order words: the last one holds 0x00000001
     assert parseProcAddress("00000000000000000000000001000000:0050") == (ipaddress.ip_address("::1"), 80)
@@ -49,7 +50,7 @@ TABLE = """\
 
 
 @pytest.mark.skipif(not LITTLE, reason="little-endian fixture")
-def test_ownerFromATable(tmp_path):
+def test_ownerFromATable(tmp_path: pathlib.Path) -> None:
     assert ownerOf([TABLE], ("127.0.0.1", 0x9C40), ("127.0.0.1", 0x0C76)) == 4242
     assert ownerOf([TABLE], ("127.0.0.1", 0x9C41), ("127.0.0.1", 0x0C76)) is None
     (tmp_path / "net").mkdir()
@@ -62,14 +63,14 @@ def test_ownerFromATable(tmp_path):
     assert not SameUserPeers(str(tmp_path), 1000).viaNetlink
 
 
-def test_noSocketTable(tmp_path):
+def test_noSocketTable(tmp_path: pathlib.Path) -> None:
     why = SameUserPeers(str(tmp_path)).check(("127.0.0.1", 1), ("127.0.0.1", 2))
     assert why is not None and "no socket table" in why
 
 
 @pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
 @pytest.mark.parametrize("netlink", [True, False])
-def test_realLoopbackPair(family, host, netlink):
+def test_realLoopbackPair(family: socket.AddressFamily, host: str, netlink: bool) -> None:
     server = socket.socket(family)
     try:
         server.bind((host, 0))
@@ -84,7 +85,8 @@ def test_realLoopbackPair(family, host, netlink):
         assert peers.check(accepted.getpeername()[:2], accepted.getsockname()[:2]) is None
         other = SameUserPeers(uid=os.getuid() + 4242, useNetlink=netlink)
         assert other.check(accepted.getpeername()[:2], accepted.getsockname()[:2]) == f"its socket belongs to uid {os.getuid()}, not {os.getuid() + 4242}"
-        assert "no socket of" in peers.check((host, 1), accepted.getsockname()[:2])
+        why = peers.check((host, 1), accepted.getsockname()[:2])
+        assert why is not None and "no socket of" in why
         peers.close()
     finally:
         for s in (client, accepted, server):
@@ -93,7 +95,7 @@ def test_realLoopbackPair(family, host, netlink):
 
 class OtherUserTests(TestCase):
     @deferredTest
-    async def test_aClientOfAnotherUidIsRefused(self):
+    async def test_aClientOfAnotherUidIsRefused(self) -> None:
         if os.getuid() != 0 or not shutil.which("setpriv"):
             raise SkipTest("needs root and setpriv to run curl as another uid")
         echo = await listen(Factory.forProtocol(Echo))
@@ -136,7 +138,7 @@ class PeerAddressTests(TestCase):
     """The addresses the peer check gets are the connection's own, read without system calls."""
 
     @deferredTest
-    async def test_theCheckGetsBothEndsOfTheConnection(self):
+    async def test_theCheckGetsBothEndsOfTheConnection(self) -> None:
         peers = RecordingPeers()
         h = ProxyHarness(["echo.example.org"], FixedResolver({}), MappedDialer(reactor), peers=peers)
         await h.start()
@@ -152,7 +154,7 @@ class PeerAddressTests(TestCase):
         listening = h.service.port
         self.assertEqual(h.factory.localAddressOf(listening), ("127.0.0.1", h.port))
 
-    def test_wildcardListenersAskTheSocket(self):
+    def test_wildcardListenersAskTheSocket(self) -> None:
         from agentsandbox.egress.proxy import EgressProxyFactory
         from tests.support.egress_fixtures import makeConfig
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
@@ -21,7 +24,9 @@ from tests.support.egress_fixtures import (
 class ConnectTests(TestCase):
     spliceFast = True
 
-    async def _proxy(self, domains, table=None, **kw):
+    async def _proxy(
+        self, domains: Sequence[str], table: Mapping[str, Sequence[str]] | None = None, **kw: Any
+    ) -> ProxyHarness:
         echo = await listen(Factory.forProtocol(Echo))
         self.addCleanup(echo.stopListening)
         dialer = MappedDialer(reactor)
@@ -32,7 +37,7 @@ class ConnectTests(TestCase):
         return h
 
     @deferredTest
-    async def test_connectEchoes(self):
+    async def test_connectEchoes(self) -> None:
         h = await self._proxy(["echo.example.org"])
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: echo.example.org:443\r\n\r\nping")
         self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nping")
@@ -42,7 +47,7 @@ class ConnectTests(TestCase):
         self.assertEqual((recs[-1]["up"], recs[-1]["down"]), (4, 4))
 
     @deferredTest
-    async def test_refusedOffList(self):
+    async def test_refusedOffList(self) -> None:
         h = await self._proxy(["echo.example.org"])
         out = await exchange(h.port, b"CONNECT github.com.example.com:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403 Forbidden", out)
@@ -53,7 +58,7 @@ class ConnectTests(TestCase):
         self.assertEqual((rec["event"], rec["host"], rec["allow"]), ("refused", "github.com.example.com", "github.com.example.com"))
 
     @deferredTest
-    async def test_socksNoAuth(self):
+    async def test_socksNoAuth(self) -> None:
         h = await self._proxy(["echo.example.org"])
         name = b"echo.example.org"
         out = await exchange(h.port, b"\x05\x01\x00" + b"\x05\x01\x00\x03" + bytes([len(name)]) + name + (443).to_bytes(2, "big") + b"data")
@@ -64,10 +69,12 @@ class ConnectTests(TestCase):
 
 from twisted.internet.defer import Deferred  # noqa: E402
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol  # noqa: E402
+from twisted.internet.interfaces import IProtocol  # noqa: E402
 from twisted.internet.protocol import Protocol  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
 from agentsandbox.egress.interfaces import ITerminator  # noqa: E402
+from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
 
 
@@ -87,28 +94,29 @@ def socksReply(code: int) -> bytes:
 class Recorder(Protocol):
     """A fake TLS terminator's protocol: records what it is fed and answers."""
 
-    def __init__(self, log):
+    def __init__(self, log: list[tuple[str, Any]]) -> None:
         self.log = log
 
-    def connectionMade(self):
+    def connectionMade(self) -> None:
         self.log.append(("made", self.transport is not None))
 
-    def dataReceived(self, data):
+    def dataReceived(self, data: bytes) -> None:
         self.log.append(("data", data))
+        assert self.transport is not None
         self.transport.write(b"terminated:" + data)
         self.transport.loseConnection()
 
-    def connectionLost(self, reason=None):
+    def connectionLost(self, reason: Any = None) -> None:
         self.log.append(("lost", None))
 
 
 @implementer(ITerminator)
 class FakeTerminator:
-    def __init__(self):
-        self.calls = []
-        self.fed = []
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+        self.fed: list[tuple[str, Any]] = []
 
-    def terminate(self, host, addresses):
+    def terminate(self, host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         self.calls.append((host, [str(a) for a in addresses]))
         return Recorder(self.fed)
 
@@ -116,7 +124,14 @@ class FakeTerminator:
 class BaseProxyTest(TestCase):
     spliceFast = True
 
-    async def proxy(self, domains, table=None, upstream=Echo, routes=((("192.0.2.10", 443)),), **kw):
+    async def proxy(
+        self,
+        domains: Sequence[str],
+        table: Mapping[str, Sequence[str]] | None = None,
+        upstream: type[Protocol] = Echo,
+        routes: Sequence[tuple[str, int]] = ((("192.0.2.10", 443)),),
+        **kw: Any,
+    ) -> ProxyHarness:
         server = await listen(Factory.forProtocol(upstream))
         self.addCleanup(server.stopListening)
         self.upstreamPort = server.getHost().port
@@ -131,7 +146,7 @@ class BaseProxyTest(TestCase):
 
 class SocksTests(BaseProxyTest):
     @deferredTest
-    async def test_userPassAcceptedAndIgnored(self):
+    async def test_userPassAcceptedAndIgnored(self) -> None:
         h = await self.proxy(["echo.example.org"])
         out = await exchange(h.port, socksConnect(b"echo.example.org", 443, auth=True) + b"abc")
         self.assertEqual(out, b"\x05\x02" + b"\x01\x00" + OK + b"abc")
@@ -139,7 +154,7 @@ class SocksTests(BaseProxyTest):
             self.assertNotIn("placeholder", f.read())
 
     @deferredTest
-    async def test_ipv4AndIpv6Addresses(self):
+    async def test_ipv4AndIpv6Addresses(self) -> None:
         h = await self.proxy(["192.0.2.10:443", "[2001:db8::10]:443"], routes=[("192.0.2.10", 443), ("2001:db8::10", 443)])
         out = await exchange(h.port, socksConnect(bytes([192, 0, 2, 10]), 443, atyp=1) + b"v4")
         self.assertEqual(out, b"\x05\x00" + OK + b"v4")
@@ -148,7 +163,7 @@ class SocksTests(BaseProxyTest):
         self.assertEqual(out, b"\x05\x00" + OK + b"v6")
 
     @deferredTest
-    async def test_refusals(self):
+    async def test_refusals(self) -> None:
         h = await self.proxy(["echo.example.org:443"])
         # the listed port + 1: refused by the rules (code 2)
         self.assertEqual(await exchange(h.port, socksConnect(b"echo.example.org", 444)), b"\x05\x00" + socksReply(2))
@@ -171,7 +186,7 @@ class SocksTests(BaseProxyTest):
         self.assertIn(("parse", None), events)
 
     @deferredTest
-    async def test_portSpecificLoopbackEntry(self):
+    async def test_portSpecificLoopbackEntry(self) -> None:
         echo = await listen(Factory.forProtocol(Echo))
         self.addCleanup(echo.stopListening)
         port = echo.getHost().port
@@ -192,7 +207,7 @@ def ipaddress_packed(text: str) -> bytes:
 
 class HttpTests(BaseProxyTest):
     @deferredTest
-    async def test_connectErrorsAre400(self):
+    async def test_connectErrorsAre400(self) -> None:
         h = await self.proxy(["echo.example.org"])
         for head in (
             b"CONNECT echo.example.org HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -220,7 +235,7 @@ class HttpTests(BaseProxyTest):
         self.assertTrue(body.endswith(b"\n"))
 
     @deferredTest
-    async def test_connectTriesTheNextAddress(self):
+    async def test_connectTriesTheNextAddress(self) -> None:
         # the first (public) address refuses connections, the second answers
         h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["127.0.0.1", "198.51.100.7", "192.0.2.10"]})
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nok")
@@ -230,7 +245,7 @@ class HttpTests(BaseProxyTest):
         self.assertEqual(h.resolver.lookups, ["echo.example.org"])
 
     @deferredTest
-    async def test_dialFailureIs502NamingTheAddresses(self):
+    async def test_dialFailureIs502NamingTheAddresses(self) -> None:
         h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["198.51.100.7"]})
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"502 Bad Gateway", out)
@@ -238,7 +253,7 @@ class HttpTests(BaseProxyTest):
         self.assertEqual(h.records()[-1]["event"], "failed")
 
     @deferredTest
-    async def test_privateAnswerRefusedWithTheRule(self):
+    async def test_privateAnswerRefusedWithTheRule(self) -> None:
         h = await self.proxy(["echo.example.org"], table={"echo.example.org": ["10.0.0.5"]})
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403 Forbidden", out)
@@ -247,7 +262,7 @@ class HttpTests(BaseProxyTest):
         self.assertEqual((rec["address"], rec["allow"]), ("10.0.0.5", "10.0.0.5:443"))
 
     @deferredTest
-    async def test_tunnelCapIs503AndReleased(self):
+    async def test_tunnelCapIs503AndReleased(self) -> None:
         h = await self.proxy(["echo.example.org"], proxy={"max_tunnels": 1})
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
@@ -266,7 +281,7 @@ class HttpTests(BaseProxyTest):
         self.assertTrue(out.endswith(b"again"))
 
     @deferredTest
-    async def test_headerTimeout(self):
+    async def test_headerTimeout(self) -> None:
         h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2})
         c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
@@ -274,7 +289,7 @@ class HttpTests(BaseProxyTest):
         self.assertIn("proxy.header_timeout", h.records()[-1]["reason"])
 
     @deferredTest
-    async def test_idleTimeoutClosesTunnel(self):
+    async def test_idleTimeoutClosesTunnel(self) -> None:
         h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3})
         c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
@@ -284,7 +299,7 @@ class HttpTests(BaseProxyTest):
         self.assertIn("proxy.idle_timeout", rec["reason"])
 
     @deferredTest
-    async def test_halfCloseBothWays(self):
+    async def test_halfCloseBothWays(self) -> None:
         # the upstream greets, the client half-closes after sending; the echo
         # finishes and closes; the client gets everything and a clean end
         h = await self.proxy(["echo.example.org"], upstream=Greeter)
@@ -292,7 +307,7 @@ class HttpTests(BaseProxyTest):
         self.assertTrue(out.startswith(b"HTTP/1.1 200 Connection established\r\n\r\nhello\n"))
 
     @deferredTest
-    async def test_injectedHostGoesToTheTerminator(self):
+    async def test_injectedHostGoesToTheTerminator(self) -> None:
         term = FakeTerminator()
         h = await self.proxy(
             ["api.github.com"],
@@ -319,7 +334,7 @@ class HttpTests(BaseProxyTest):
         self.assertEqual(out, b"\x05\x00" + OK + b"terminated:hi")
 
     @deferredTest
-    async def test_injectedHostWithoutTerminatorRefused(self):
+    async def test_injectedHostWithoutTerminatorRefused(self) -> None:
         h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]})
         from tests.support.egress_fixtures import makeConfig
 
@@ -335,9 +350,9 @@ class HttpTests(BaseProxyTest):
         self.assertEqual(h.dialer.dialled, [])
 
     @deferredTest
-    async def test_peerRefused(self):
+    async def test_peerRefused(self) -> None:
         class NotYou:
-            def check(self, client, server):
+            def check(self, client: tuple[str, int], server: tuple[str, int]) -> str:
                 return "its socket belongs to uid 4242, not 0"
 
         h = await self.proxy(["echo.example.org"], peers=NotYou())
@@ -347,7 +362,7 @@ class HttpTests(BaseProxyTest):
         self.assertEqual((rec["event"], rec["reason"]), ("peer", "its socket belongs to uid 4242, not 0"))
 
     @deferredTest
-    async def test_reloadAppliesToNewConnectionsOnly(self):
+    async def test_reloadAppliesToNewConnectionsOnly(self) -> None:
         h = await self.proxy(["echo.example.org"])
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
@@ -384,7 +399,7 @@ class SocksTestsCopyLoop(SocksTests):
 class ForwardTests(TestCase):
     """Absolute-form forwarding on raw sockets: keep-alive, Host, hop-by-hop headers, bodies, framing."""
 
-    async def web(self):
+    async def web(self) -> ProxyHarness:
         import tempfile
 
         from tests.support.egress_servers import webSite
@@ -399,10 +414,10 @@ class ForwardTests(TestCase):
         return h
 
     @staticmethod
-    def responses(out: bytes) -> list[tuple[bytes, dict]]:
+    def responses(out: bytes) -> list[tuple[bytes, Any]]:
         import json as _json
 
-        found = []
+        found: list[tuple[bytes, Any]] = []
         while out:
             head, _, rest = out.partition(b"\r\n\r\n")
             length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
@@ -411,7 +426,7 @@ class ForwardTests(TestCase):
         return found
 
     @deferredTest
-    async def test_keepAliveHostAndHopByHop(self):
+    async def test_keepAliveHostAndHopByHop(self) -> None:
         h = await self.web()
         first = (
             b"GET http://web.example.org/headers?a=1 HTTP/1.1\r\nHost: evil.example.net\r\n"
@@ -439,7 +454,7 @@ class ForwardTests(TestCase):
         self.assertEqual([r["up"] for r in forwards], [0, 5, 5])
 
     @deferredTest
-    async def test_ambiguousFramingRefused(self):
+    async def test_ambiguousFramingRefused(self) -> None:
         h = await self.web()
         for head in (
             b"POST http://web.example.org/headers HTTP/1.1\r\nHost: web.example.org\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
@@ -451,7 +466,7 @@ class ForwardTests(TestCase):
             self.assertTrue(out.startswith(b"HTTP/1.1 400 Bad Request"), (head, out[:200]))
 
     @deferredTest
-    async def test_forwardRefusedAndUnreachable(self):
+    async def test_forwardRefusedAndUnreachable(self) -> None:
         h = await self.web()
         out = await exchange(h.port, b"GET http://example.net/ HTTP/1.1\r\nHost: example.net\r\n\r\n")
         self.assertIn(b"403 Forbidden", out)
@@ -464,17 +479,19 @@ class ForwardTests(TestCase):
 
 class ServiceTests(TestCase):
     @deferredTest
-    async def test_listenChangeNeedsARestartAndSaysSo(self):
-        from twisted.logger import globalLogPublisher
+    async def test_listenChangeNeedsARestartAndSaysSo(self) -> None:
+        from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 
         from tests.support.egress_fixtures import domainsToml, makeConfig
 
         h = ProxyHarness(["a.example.org"])
         await h.start()
         self.addCleanup(h.stop)
-        seen = []
-        globalLogPublisher.addObserver(seen.append)
-        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        seen: list[LogEvent] = []
+        # Any callable observes; the stubs ask for the interface.
+        observer = cast(ILogObserver, seen.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         h.factory.holder.swap(makeConfig(domainsToml(["a.example.org"], port=4321)))
         self.assertEqual(h.service.endpoint, "tcp:0:interface=127.0.0.1")
         h.service.endpoint = None  # as the service runs it: from the config
@@ -487,7 +504,7 @@ class ServiceTests(TestCase):
         self.assertIn(b"403", out)
 
     @deferredTest
-    async def test_socksInjectRefusalIsRuleset(self):
+    async def test_socksInjectRefusalIsRuleset(self) -> None:
         from tests.support.egress_fixtures import makeConfig
 
         h = ProxyHarness(["api.github.com"], FixedResolver({"api.github.com": ["192.0.2.10"]}))

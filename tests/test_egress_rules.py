@@ -8,25 +8,41 @@ resolved once and each answer classified exactly as a live connection would be.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping, Sequence
 
 import pytest
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.python.failure import Failure
 
 from agentsandbox.egress.proxy import EgressProxyFactory, Grant, RefusalError
 from agentsandbox.egress.resolve import addressesFromGetaddrinfo, decideHost, describeResolved
-from agentsandbox.egress.rules import AllowList, classifyAddress, decideAddress, embeddedIPv4
+from agentsandbox.egress.rules import (
+    AllowList,
+    IPAddress,
+    classifyAddress,
+    decideAddress,
+    embeddedIPv4,
+)
 from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
 
 
-def decide(domains, host, port, table=None):
+def noDialer(ip: IPAddress, port: int) -> IStreamClientEndpoint:
+    raise AssertionError("deciding never dials")
+
+
+def decide(
+    domains: Sequence[str], host: str, port: int, table: Mapping[str, Sequence[str]] | None = None
+) -> tuple[list[str] | None, str]:
     """(granted addresses or None, refusal text) via the proxy's own decision."""
     config = makeConfig(domainsToml(domains))
-    factory = EgressProxyFactory(config, None, resolver=FixedResolver(table or {}), dialer=lambda ip, p: None, peers=AllowAllPeers())
-    results = []
+    factory = EgressProxyFactory(config, None, resolver=FixedResolver(table or {}), dialer=noDialer, peers=AllowAllPeers())
+    results: list[Grant | Failure] = []
     factory.decide(config, host, port).addCallbacks(results.append, results.append)
     (r,) = results
     if isinstance(r, Grant):
         return [str(a) for a in r.addresses], ""
     r.trap(RefusalError)
+    assert isinstance(r.value, RefusalError)
     return None, r.value.refusal.reason
 
 
@@ -52,19 +68,19 @@ GITHUB = ["github.com", "*.github.com", "127.0.0.1:6443", "[::1]:7000"]
         ("GITHUB.COM", 443, True),
     ],
 )
-def test_allowedTable(host, port, allowed):
+def test_allowedTable(host: str, port: int, allowed: bool) -> None:
     assert (AllowList.parse(GITHUB).byName(host, port) is not None) is allowed
 
 
 @pytest.mark.parametrize("ip", ["140.82.121.4", "10.1.2.3"])
-def test_byNameAllowsPublicAndListedPrivate(ip):
+def test_byNameAllowsPublicAndListedPrivate(ip: str) -> None:
     # 10.1.2.3 reaches the proxy only through the CIDR entry; 140.82.121.4 is public.
     got, why = decide(["git.example.org", "10.0.0.0/8"], "git.example.org", 443, {"git.example.org": [ip]})
     assert got == [ip], why
 
 
 @pytest.mark.parametrize("ip", ["127.0.0.1", "::1", "0.0.0.0", "169.254.169.254", "fe80::1", "224.0.0.1"])
-def test_byNameRefuses(ip):
+def test_byNameRefuses(ip: str) -> None:
     got, why = decide(["git.example.org"], "git.example.org", 443, {"git.example.org": [ip]})
     assert got is None
     assert "git.example.org" in why and ip in why and "sandbox.domains" in why
@@ -129,7 +145,7 @@ SSRF = [
 
 
 @pytest.mark.parametrize("case,answers,expected", SSRF, ids=[c[0] for c in SSRF])
-def test_ssrfTable(case, answers, expected):
+def test_ssrfTable(case: str, answers: list[str], expected: list[str] | None) -> None:
     got, why = decide([NAME], NAME, 443, {NAME: answers})
     assert got == expected, (case, why)
     if expected is None:
@@ -143,7 +159,7 @@ SPELLINGS = ["2130706433", "0177.0.0.1", "0x7f.1", "0x7f000001", "127.1", "01770
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
-def test_ipSpellingsAsNamesAreClassifiedByTheirAddress(spelling):
+def test_ipSpellingsAsNamesAreClassifiedByTheirAddress(spelling: str) -> None:
     answers = addressesFromGetaddrinfo(spelling, 443)  # the real system resolver
     assert ipaddress.ip_address("127.0.0.1") in answers
     got, why = decide([spelling], spelling, 443, {spelling: [str(a) for a in answers]})
@@ -158,14 +174,14 @@ def test_ipSpellingsAsNamesAreClassifiedByTheirAddress(spelling):
         ("TARGET.example.org", NAME),
     ],
 )
-def test_normalisedNamesMatchAndAreStillChecked(host, canonical):
+def test_normalisedNamesMatchAndAreStillChecked(host: str, canonical: str) -> None:
     got, _ = decide([NAME], host, 443, {canonical: ["93.184.216.34"]})
     assert got == ["93.184.216.34"]
     got, why = decide([NAME], host, 443, {canonical: ["10.0.0.1"]})
     assert got is None and canonical in why
 
 
-def test_punycodeName():
+def test_punycodeName() -> None:
     host = "bücher.example.org"
     puny = "xn--bcher-kva.example.org"
     got, _ = decide([puny], host, 443, {puny: ["93.184.216.34"]})
@@ -175,19 +191,19 @@ def test_punycodeName():
 
 
 @pytest.mark.parametrize("bad", ["[[x]]", "a b.example.org", "x" * 300, "exa_mple..org", "-lead.example.org"])
-def test_invalidHostsRefused(bad):
+def test_invalidHostsRefused(bad: str) -> None:
     got, why = decide(["example.org"], bad, 443)
     assert got is None and why
 
 
-def test_cidrEntryOpensAPrivateRangeForNamesOnItsPortOnly():
+def test_cidrEntryOpensAPrivateRangeForNamesOnItsPortOnly() -> None:
     table = {"db.example.org": ["10.1.2.3"]}
     assert decide(["db.example.org", "10.0.0.0/8:5432"], "db.example.org", 5432, table)[0] == ["10.1.2.3"]
     got, why = decide(["db.example.org", "10.0.0.0/8:5432"], "db.example.org", 5433, table)
     assert got is None and "10.1.2.3" in why
 
 
-def test_loopbackOnlyThroughAnExplicitIPPortEntry():
+def test_loopbackOnlyThroughAnExplicitIPPortEntry() -> None:
     assert decide(["127.0.0.1:6443"], "127.0.0.1", 6443)[0] == ["127.0.0.1"]
     assert decide(["127.0.0.1:6443"], "127.0.0.1", 6444)[0] is None
     # a name resolving to loopback is refused even with a loopback entry for another port
@@ -198,7 +214,7 @@ def test_loopbackOnlyThroughAnExplicitIPPortEntry():
     assert decide(["localhost:6443"], "localhost", 6443, {"localhost": ["127.0.0.1", "::1"]})[0] == ["127.0.0.1", "::1"]
 
 
-def test_ipLiteralTargetsAreClassifiedToo():
+def test_ipLiteralTargetsAreClassifiedToo() -> None:
     got, _ = decide(["10.1.2.3"], "10.1.2.3", 443)
     assert got == ["10.1.2.3"]  # an IP entry covers its own address
     got, _ = decide(["93.184.216.34"], "93.184.216.34", 443)
@@ -208,30 +224,30 @@ def test_ipLiteralTargetsAreClassifiedToo():
     assert got is None
 
 
-def test_unresolvableNameRefused():
+def test_unresolvableNameRefused() -> None:
     got, why = decide(["gone.example.org"], "gone.example.org", 443, {})
     assert got is None and "gone.example.org does not resolve" in why
 
 
-def test_embeddings():
+def test_embeddings() -> None:
     assert embeddedIPv4(ipaddress.ip_address("93.184.216.34")) == []
     assert [str(v) for _, v in embeddedIPv4(ipaddress.ip_address("2002:7f00:1::"))] == ["127.0.0.1"]
     cls = classifyAddress(ipaddress.ip_address("64:ff9b::7f00:1"))
     assert cls is not None and cls.isLoopback and "NAT64" in cls.describe()
 
 
-def test_decideAddressNamesHostAddressAndRule():
+def test_decideAddressNamesHostAddressAndRule() -> None:
     d = decideAddress(AllowList.parse([NAME]), NAME, 443, ipaddress.ip_address("10.9.8.7"), None)
     assert not d.allowed
     assert NAME in d.reason and "10.9.8.7" in d.reason and "10.0.0.0/8" in d.reason and "'10.9.8.7/32:443'" in d.reason
 
 
-def test_decideHostRefusalNamesTheKey():
+def test_decideHostRefusalNamesTheKey() -> None:
     d = decideHost(AllowList.parse([]), "example.net", 8080)
     assert not d.allowed and "example.net:8080" in d.reason and "'example.net:8080'" in d.reason and "sandbox.domains" in d.reason
 
 
-def test_describeResolved():
+def test_describeResolved() -> None:
     config = makeConfig(domainsToml(["localhost:6443", "127.0.0.1:6443", "2130706433"]))
     ok, lines = describeResolved(config, "localhost", 6443)
     assert ok and lines[0].startswith("allowed:")

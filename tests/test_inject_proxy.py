@@ -15,6 +15,7 @@ import tempfile
 from typing import Any, ClassVar
 
 from twisted.internet import defer, reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial import unittest
@@ -39,8 +40,9 @@ domains = ["github.com", "api.github.com", "uploads.github.com", "codeload.githu
 class ThroughTheProxy(unittest.TestCase):
     timeout = 180
 
+    # trial waits for the Deferred setUp returns; unittest's signature says None.
     @defer.inlineCallbacks
-    def setUp(self) -> Any:
+    def setUp(self) -> Any:  # type: ignore[override]
         self.logs = LogCapture()
         self.logs.start()
         self.addCleanup(self.logs.stop)
@@ -53,7 +55,9 @@ class ThroughTheProxy(unittest.TestCase):
         self.proxyDialer = MappedDialer(reactor)
         # codeload.github.com is allowed but not injected: an opaque tunnel to the
         # fake, whose own certificate the client then sees.
-        self.proxyDialer.route("192.0.2.44", 443, self.h.upstream.getHost().port)
+        upstreamHost = self.h.upstream.getHost()
+        assert isinstance(upstreamHost, IPv4Address)
+        self.proxyDialer.route("192.0.2.44", 443, upstreamHost.port)
         self.proxy = ProxyHarness(
             config=makeConfig(CONFIG),
             resolver=self.resolver,
@@ -85,7 +89,7 @@ class ThroughTheProxy(unittest.TestCase):
         }
 
     @defer.inlineCallbacks
-    def client(self, program: str, *args: str, cwd: str | None = None) -> Any:
+    def client(self, program: str, *args: str | bytes, cwd: str | None = None) -> Any:
         out, err, code = yield getProcessOutputAndValue(program, args, env=self.env(), path=cwd, reactor=reactor)
         self.outputs += [out, err]
         return out, err, code
@@ -125,7 +129,8 @@ class ThroughTheProxy(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_absoluteFormHttpNeverGetsAToken(self) -> Any:
-        plain = yield reactor.listenTCP(0, Factory.forProtocol(_Recorder), interface="127.0.0.1")  # type: ignore[attr-defined]
+        # Twisted 26 wants a ServerFactory here and forProtocol is typed to return a Factory.
+        plain = yield reactor.listenTCP(0, Factory.forProtocol(_Recorder), interface="127.0.0.1")  # type: ignore[arg-type,attr-defined,unused-ignore]
         self.addCleanup(plain.stopListening)
         _Recorder.heads = []
         self.proxyDialer.route(str(self.h.address), 80, plain.getHost().port)
@@ -198,7 +203,7 @@ class ThroughTheProxy(unittest.TestCase):
         with open(tokenFile, "w") as f:
             f.write(TOKEN + "\n")
         rules = githubRules(TokenSource(file=tokenFile))
-        keepers = TokenKeepers(rules, reactor)
+        keepers = TokenKeepers(rules, reactor)  # type: ignore[arg-type,unused-ignore]
         keepers.startService()
         self.addCleanup(keepers.stopService)
         yield keepers.keeperFor(rules[0].token).refresh()
@@ -269,5 +274,6 @@ class _Recorder(Protocol):
     def dataReceived(self, data: bytes) -> None:
         _Recorder.heads.append(data)
         if b"\r\n\r\n" in data:
+            assert self.transport is not None
             self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
             self.transport.loseConnection()

@@ -209,5 +209,5 @@ def test_resolve_expands_home_cwd_and_dotdot(user: User) -> None:
 def test_policy_is_immutable(user: User) -> None:
     p = user.policy()
     with pytest.raises(AttributeError):
-        p.home = "/"  # type: ignore[misc]
+        p.home = "/"
     assert Policy.fromDict(p.toDict(), user.env) == p

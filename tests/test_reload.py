@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any, cast
 
 from twisted.internet.task import Clock
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
-from agentsandbox.config import ConfigError, load
+from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 from tests.support.egress_fixtures import (
     FixedResolver,
@@ -24,31 +25,33 @@ from tests.support.egress_fixtures import (
 
 
 class Events:
-    def __init__(self, test):
-        self.events = []
-        globalLogPublisher.addObserver(self.events.append)
-        test.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+    def __init__(self, test: TestCase) -> None:
+        self.events: list[dict[str, Any]] = []
+        # Any callable observes; the stubs ask for the interface.
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        test.addCleanup(globalLogPublisher.removeObserver, observer)
 
-    def errors(self):
+    def errors(self) -> list[dict[str, Any]]:
         return [e for e in self.events if str(e.get("log_namespace", "")).startswith("agentsandbox.reload") and e["log_level"].name == "error"]
 
 
 class HolderTests(TestCase):
-    def test_swapTellsListeners(self):
+    def test_swapTellsListeners(self) -> None:
         a, b = makeConfig(domainsToml(["a.example.org"])), makeConfig(domainsToml(["b.example.org"]))
         holder = ConfigHolder(a)
-        seen = []
+        seen: list[tuple[Config, Config]] = []
         holder.subscribe(lambda old, new: seen.append((old, new)))
         holder.swap(b)
         self.assertIs(holder.current, b)
         self.assertEqual(seen, [(a, b)])
 
-    def test_brokenConfigKeepsTheOldOneAndNamesFileAndKey(self):
+    def test_brokenConfigKeepsTheOldOneAndNamesFileAndKey(self) -> None:
         clock = Clock()
         good = makeConfig(domainsToml(["a.example.org"]))
         holder = ConfigHolder(good)
 
-        def broken():
+        def broken() -> Config:
             raise ConfigError("/etc/agentsandbox/config.toml", "sandbox.domains[0]", "'*' would allow every host")
 
         events = Events(self)
@@ -60,11 +63,16 @@ class HolderTests(TestCase):
         self.assertIn("keeping the previous config", err["log_format"])
         self.assertIn("sandbox.domains[0]", err["error"])
 
-    def test_eventsCoalesce(self):
+    def test_eventsCoalesce(self) -> None:
         clock = Clock()
         holder = ConfigHolder(makeConfig(""))
-        loads = []
-        watcher = ConfigWatcher(holder, None, clock, loader=lambda: loads.append(1) or makeConfig(""), settle=0.2, handleSignal=False)
+        loads: list[int] = []
+
+        def loader() -> Config:
+            loads.append(1)
+            return makeConfig("")
+
+        watcher = ConfigWatcher(holder, None, clock, loader=loader, settle=0.2, handleSignal=False)
         for _ in range(5):
             watcher.schedule()
             clock.advance(0.1)
@@ -74,7 +82,7 @@ class HolderTests(TestCase):
 
 
 class LiveReloadTests(TestCase):
-    def setUp(self):
+    def setUp(self) -> None:
         self.dir = self.mktemp()
         os.makedirs(self.dir)
         self.path = os.path.join(self.dir, "config.toml")
@@ -85,25 +93,25 @@ class LiveReloadTests(TestCase):
         self.watcher.startService()
         self.addCleanup(self.watcher.stopService)
 
-    def write(self, text, atomic=False):
+    def write(self, text: str, atomic: bool = False) -> None:
         target = self.path + ".tmp" if atomic else self.path
         with open(target, "w") as f:
             f.write(text)
         if atomic:
             os.replace(target, self.path)
 
-    def domains(self):
+    def domains(self) -> tuple[str, ...]:
         return self.holder.current.sandbox.domains
 
     @deferredTest
-    async def test_inotifyWriteAndRename(self):
+    async def test_inotifyWriteAndRename(self) -> None:
         self.write(domainsToml(["b.example.org"]))
         await waitFor(lambda: self.domains() == ("b.example.org",), "the in-place write to reload")
         self.write(domainsToml(["c.example.org"]), atomic=True)
         await waitFor(lambda: self.domains() == ("c.example.org",), "the rename to reload")
 
     @deferredTest
-    async def test_brokenFileKeepsTheOldConfig(self):
+    async def test_brokenFileKeepsTheOldConfig(self) -> None:
         events = Events(self)
         self.write("[sandbox]\ndomains = [\"*\"]\n")
         await waitFor(lambda: self.watcher.failures >= 1, "the broken file to be read")
@@ -118,7 +126,7 @@ class LiveReloadTests(TestCase):
         await waitFor(lambda: self.domains() == ("d.example.org",), "the fixed file to reload")
 
     @deferredTest
-    async def test_sighup(self):
+    async def test_sighup(self) -> None:
         self.watcher.stopService()  # no inotify: only the signal can reload now
         self.watcher.path = None
         self.watcher.startService()
@@ -130,7 +138,7 @@ class LiveReloadTests(TestCase):
         self.assertEqual(self.domains(), ("e.example.org",))
 
     @deferredTest
-    async def test_proxyFollowsTheFile(self):
+    async def test_proxyFollowsTheFile(self) -> None:
         h = ProxyHarness(config=self.holder, resolver=FixedResolver({}))
         await h.start()
         self.addCleanup(h.stop)

@@ -16,9 +16,10 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import defer, reactor, threads
+from twisted.internet.address import IPv4Address
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Factory, Protocol
@@ -27,6 +28,7 @@ from twisted.trial import unittest
 
 from agentsandbox.broker import client
 from agentsandbox.broker.server import STOPPING
+from agentsandbox.broker.spool import Reply
 from agentsandbox.config import Config, load
 from agentsandbox.egressdir import egressVars
 from agentsandbox.service import AgentSandbox, makeService
@@ -114,8 +116,9 @@ class ServiceCase(unittest.TestCase):
 
     timeout = 120
 
+    # trial waits on the Deferred setUp returns; unittest's stub says None.
     @defer.inlineCallbacks
-    def setUp(self) -> Any:
+    def setUp(self) -> Any:  # type: ignore[override]
         self.base = tempfile.mkdtemp(prefix="svc-", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.base, True)
         self.env = {
@@ -138,11 +141,14 @@ class ServiceCase(unittest.TestCase):
         gitRoot = os.path.join(self.base, "git")
         os.makedirs(gitRoot)
         self.fake = FakeGitHub(token=TOKEN, gitRoot=gitRoot)
-        upstream = listenTLS(reactor, self.fake.site(), self.pki.serverOptions(["api.github.com"]))
+        # On Twisted 22.4 the module reactor is a plain module to mypy, not an IReactorTCP.
+        upstream = listenTLS(reactor, self.fake.site(), self.pki.serverOptions(["api.github.com"]))  # type: ignore[arg-type,unused-ignore]
         self.addCleanup(upstream.stopListening)
         address = documentationAddress(61)
         self.dialer = MappedDialer(reactor)
-        self.dialer.route(str(address), 443, upstream.getHost().port)
+        upstreamHost = upstream.getHost()
+        assert isinstance(upstreamHost, IPv4Address)
+        self.dialer.route(str(address), 443, upstreamHost.port)
         self.resolver = FixedResolver({"api.github.com": [str(address)]})
 
         self.configPath = os.path.join(self.base, "config.toml")
@@ -181,10 +187,13 @@ class ServiceCase(unittest.TestCase):
 
     @defer.inlineCallbacks
     def listen(self, factory: Factory) -> Any:
-        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined]
+        # Twisted 22.4's module reactor has no listenTCP for mypy; newer stubs want a ServerFactory.
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined,arg-type,unused-ignore]
         self.addCleanup(port.stopListening)
         yield None
-        return port.getHost().port
+        host = port.getHost()
+        assert isinstance(host, IPv4Address)
+        return host.port
 
     async def tunnel(self, port: int) -> TunnelClient:
         """An open CONNECT tunnel through the proxy to 127.0.0.1:port."""
@@ -196,8 +205,10 @@ class ServiceCase(unittest.TestCase):
         c.received = b""
         return c
 
-    def ask(self, op: str) -> defer.Deferred[client.Reply]:
-        return threads.deferToThread(client.ask, op, self.spool, 20.0)
+    def ask(self, op: str) -> defer.Deferred[Reply]:
+        # Twisted 22.4's deferToThread is unannotated: name the type here.
+        d: defer.Deferred[Reply] = threads.deferToThread(client.ask, op, self.spool, 20.0)
+        return d
 
     async def status(self) -> dict[str, Any]:
         reply = await self.ask("status")
@@ -381,7 +392,7 @@ class StartFailureTests(ServiceCase):
 
         await self.stopService()
         # The port the first service listened on is free again; squat it.
-        squatter = reactor.listenTCP(self.proxyPort, Factory.forProtocol(Protocol), interface="127.0.0.1")  # type: ignore[attr-defined]
+        squatter = reactor.listenTCP(self.proxyPort, Factory.forProtocol(Protocol), interface="127.0.0.1")  # type: ignore[attr-defined,arg-type,unused-ignore]
         self.addCleanup(squatter.stopListening)
         with open(self.configPath) as f:
             text = f.read()
@@ -432,11 +443,13 @@ class ReloadScopeTests(ServiceCase):
 
     @asyncTest
     async def test_whatNeedsARestartIsSaid(self) -> None:
-        from twisted.logger import globalLogPublisher
+        from twisted.logger import ILogObserver, globalLogPublisher
 
         events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        # Any callable observes; the stubs ask for the interface.
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         await self.rewrite('listen = "tcp:0:interface=127.0.0.1"', 'listen = "tcp:0:interface=127.0.0.2"')
         (warning,) = [e for e in events if e.get("log_namespace") == "agentsandbox.service" and "restarts" in e["log_format"]]
         self.assertEqual(warning["what"], "proxy.port/proxy.listen")

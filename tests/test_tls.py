@@ -11,7 +11,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, ExtensionOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from OpenSSL import crypto
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
@@ -39,14 +39,15 @@ class CATests(unittest.TestCase):
 
     def test_caShape(self) -> None:
         cert = self.ca.certificate
-        bc = cert.extensions.get_extension_for_oid(ExtensionOID.BASIC_CONSTRAINTS)
+        bc = cert.extensions.get_extension_for_class(x509.BasicConstraints)
         self.assertTrue(bc.critical)
         self.assertTrue(bc.value.ca)
         self.assertEqual(bc.value.path_length, 0)
-        ku = cert.extensions.get_extension_for_oid(ExtensionOID.KEY_USAGE).value
+        ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
         self.assertTrue(ku.key_cert_sign and ku.crl_sign and not ku.digital_signature)
-        nc = cert.extensions.get_extension_for_oid(ExtensionOID.NAME_CONSTRAINTS)
+        nc = cert.extensions.get_extension_for_class(x509.NameConstraints)
         self.assertTrue(nc.critical)
+        assert nc.value.permitted_subtrees is not None
         self.assertEqual(sorted(n.value for n in nc.value.permitted_subtrees), sorted(HOSTS))
         self.assertIsInstance(cert.public_key(), ec.EllipticCurvePublicKey)
         self.assertEqual(cert.public_key().curve.name, "secp256r1")  # type: ignore[union-attr]

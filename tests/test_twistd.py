@@ -78,7 +78,7 @@ def test_pluginModuleNamesTheTap() -> None:
     # dropin.cache into the checkout.
     import importlib.util
 
-    from twisted.application.service import IServiceMaker
+    from twisted.application.service import IServiceMaker, ServiceMaker
     from twisted.plugin import IPlugin
 
     from agentsandbox.tap import serviceMaker
@@ -89,7 +89,7 @@ def test_pluginModuleNamesTheTap() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    maker = module.agentsandbox
+    maker: ServiceMaker = module.agentsandbox
     assert IServiceMaker.providedBy(maker) and IPlugin.providedBy(maker)
     assert (maker.tapname, maker.module) == ("agentsandbox", "agentsandbox.tap")
     assert (serviceMaker.tapname, serviceMaker.module) == (maker.tapname, maker.module)

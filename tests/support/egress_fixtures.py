@@ -14,10 +14,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from twisted.internet import reactor as _reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
-from twisted.internet.interfaces import IHalfCloseableProtocol, IStreamClientEndpoint
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.interfaces import (
+    IHalfCloseableProtocol,
+    IProtocolFactory,
+    IStreamClientEndpoint,
+)
+from twisted.internet.protocol import Protocol
 from twisted.internet.utils import getProcessOutputAndValue
 from zope.interface import implementer
 
@@ -120,7 +125,7 @@ class Greeter(Protocol):
         self.transport.write(data)  # type: ignore[union-attr]
 
 
-async def listen(factory: Factory, reactor: Any = reactor) -> Any:
+async def listen(factory: IProtocolFactory, reactor: Any = reactor) -> Any:
     port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(factory)
     return port
 
@@ -165,7 +170,9 @@ class ProxyHarness:
         self.service.startService()
         assert self.service.listening is not None
         listening = await self.service.listening
-        self.port = listening.getHost().port
+        host = listening.getHost()
+        assert isinstance(host, IPv4Address)  # the service listens on 127.0.0.1
+        self.port = host.port
         return self
 
     def stop(self) -> Deferred[None]:
@@ -215,6 +222,9 @@ def deferredTest(f: Any) -> Any:
 class Collector(Protocol):
     """A client that collects what it receives and fires ``done`` at close."""
 
+    #: A TCP transport: tests also pause and half-close it, which ITransport does not declare.
+    transport: Any
+
     def __init__(self, send: bytes = b"", halfClose: bool = False) -> None:
         self.send = send
         self.halfClose = halfClose
@@ -224,9 +234,9 @@ class Collector(Protocol):
 
     def connectionMade(self) -> None:
         if self.send:
-            self.transport.write(self.send)  # type: ignore[union-attr]
+            self.transport.write(self.send)
         if self.halfClose:
-            self.transport.loseWriteConnection()  # type: ignore[union-attr]
+            self.transport.loseWriteConnection()
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data

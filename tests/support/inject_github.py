@@ -33,8 +33,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.internet import endpoints, ssl
-from twisted.internet.interfaces import IListeningPort, IReactorTCP
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorTCP
+from twisted.internet.protocol import Protocol
 from twisted.web import resource, server, twcgi
 
 GIT_HTTP_BACKEND_CANDIDATES = ("/usr/lib/git-core/git-http-backend", "/usr/libexec/git-core/git-http-backend")
@@ -110,11 +110,13 @@ class TestPKI:
         )
         certPEM = cert.public_bytes(serialization.Encoding.PEM)
         pair = ssl.PrivateCertificate.loadPEM(keyPEM + certPEM)
-        return ssl.CertificateOptions(
+        # On Twisted 22.4 an untyped decorator on __init__ makes this call Any.
+        options: ssl.CertificateOptions = ssl.CertificateOptions(
             privateKey=pair.privateKey.original,
             certificate=pair.original,
             acceptableProtocols=[b"http/1.1"],
         )
+        return options
 
 
 # ---------------------------------------------------------------------- the fake
@@ -183,6 +185,7 @@ class _User(resource.Resource):
         self.fake = fake
 
     def render(self, request: server.Request) -> bytes:
+        assert request.content is not None
         seen = self.fake.record(request, request.content.read())
         request.setHeader(b"content-type", b"application/json")
         if seen.authorization != [f"token {self.fake.token}"]:
@@ -199,7 +202,8 @@ class _Echo(resource.Resource):
         self.fake = fake
 
     def render(self, request: server.Request) -> bytes:
-        body = request.content.read()
+        assert request.content is not None
+        body: bytes = request.content.read()
         self.fake.record(request, body)
         request.setHeader(b"content-type", b"application/octet-stream")
         return body
@@ -215,6 +219,7 @@ class _Upload(resource.Resource):
     def render(self, request: server.Request) -> bytes:
         digest = hashlib.sha256()
         length = 0
+        assert request.content is not None
         request.content.seek(0)
         while True:
             chunk = request.content.read(1 << 20)
@@ -290,8 +295,9 @@ class _Git(resource.Resource):
             request.setResponseCode(401)
             request.setHeader(b"www-authenticate", b'Basic realm="fake GitHub"')
             return b"the fake GitHub wants the injected credential\n"
-        # twcgi joins postpath as text; traversal leaves it bytes.
-        request.postpath = [p.decode() if isinstance(p, bytes) else p for p in request.postpath]
+        # twcgi joins postpath as text; traversal (and Request's annotation) leave it bytes.
+        assert request.postpath is not None
+        request.postpath = [p.decode() if isinstance(p, bytes) else p for p in request.postpath]  # type: ignore[misc]
         return self.cgi.render(request)
 
 
@@ -314,7 +320,7 @@ class _Backend(twcgi.CGIScript):
 # ---------------------------------------------------------------------- listening
 
 
-def listenTLS(reactor: IReactorTCP, site: Factory, options: ssl.CertificateOptions) -> IListeningPort:
+def listenTLS(reactor: IReactorTCP, site: IProtocolFactory, options: ssl.CertificateOptions) -> IListeningPort:
     port: IListeningPort = reactor.listenSSL(0, site, options, interface="127.0.0.1")  # type: ignore[attr-defined]
     return port
 
@@ -333,7 +339,7 @@ class RawWebSocketish(Protocol):
         self.buffer += data
         if b"\r\n\r\n" in self.buffer:
             head, _, rest = self.buffer.partition(b"\r\n\r\n")
-            self.factory.heads.append(head)  # type: ignore[attr-defined]
+            self.factory.heads.append(head)  # type: ignore[union-attr,unused-ignore]
             self.switched = True
             self.transport.write(  # type: ignore[union-attr]
                 b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"

@@ -16,9 +16,10 @@ from typing import Any
 
 from cryptography import x509
 from twisted.internet import defer, endpoints, utils
+from twisted.internet.address import IPv4Address
 from twisted.internet.interfaces import IListeningPort, IOpenSSLClientConnectionCreator
 from twisted.internet.protocol import Factory, Protocol
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.protocols.policies import WrappingFactory
 from zope.interface import implementer
 
@@ -81,6 +82,7 @@ class _TunnelFactory(Factory):
         return self.injector.terminate(self.host, self.addresses)
 
 
+@implementer(ILogObserver)
 @dataclass
 class LogCapture:
     lines: list[str] = field(default_factory=list)
@@ -122,7 +124,9 @@ class InjectHarness:
         self.ports.append(self.upstream)
         self.dialer = LoopbackDialer(reactor)
         self.address = documentationAddress(10)
-        self.dialer.map(self.address, self.upstream.getHost().port)
+        upstreamHost = self.upstream.getHost()
+        assert isinstance(upstreamHost, IPv4Address)
+        self.dialer.map(self.address, upstreamHost.port)
         self.ca = InjectionCA.create(hosts, label="test")
         self.caFile = os.path.join(self.dir, "ca.pem")
         with open(self.caFile, "wb") as f:
@@ -165,7 +169,10 @@ class InjectHarness:
     def curl(self, *args: str, env: dict[str, str] | None = None) -> defer.Deferred[tuple[bytes, bytes, int]]:
         """Run real curl; the caller adds --connect-to and the URL."""
         argv = ["-sS", "--cacert", self.caFile, "--max-time", "60", *args]
-        return utils.getProcessOutputAndValue("/usr/bin/curl", argv, env=env or _cleanEnv(), reactor=self.reactor)
+        d: defer.Deferred[tuple[bytes, bytes, int]] = utils.getProcessOutputAndValue(
+            "/usr/bin/curl", argv, env=env or _cleanEnv(), reactor=self.reactor
+        )
+        return d
 
     @defer.inlineCallbacks
     def close(self) -> Any:
@@ -194,6 +201,7 @@ class AnySNI:
         self.sni = sni.encode("ascii")
         ctx = SSL.Context(SSL.TLS_METHOD)
         store = ctx.get_cert_store()
+        assert store is not None
         store.add_cert(toX509(x509.load_pem_x509_certificate(caPEM)))
         ctx.set_verify(SSL.VERIFY_PEER, lambda conn, cert, errno, depth, ok: bool(ok))
         if alpn:
@@ -243,6 +251,6 @@ def rawTLS(
     """Connect over TLS to a tunnel port, send ``data``, wait for the server to close."""
     client = RawClient(data, until)
     endpoint = endpoints.wrapClientTLS(creator, endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port))
-    d = endpoints.connectProtocol(endpoint, client)
+    d: defer.Deferred[Any] = endpoints.connectProtocol(endpoint, client)
     d.addCallback(lambda _: client.done)
     return d.addCallback(lambda _: client)
