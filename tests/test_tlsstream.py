@@ -30,6 +30,7 @@ from zope.interface import implementer
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
 from tests.support.inject_github import TestPKI
+from tests.support.inject_harness import LogCapture
 
 HOST = "api.github.com"
 
@@ -332,6 +333,38 @@ class ClientSide(Base):
         assert reason is not None
         self.assertEqual(bytes(server.received), b"last words")
         reason.trap(ConnectionDone)
+
+
+class SystemRoots(Base):
+    """Where this Python's OpenSSL points at paths the system lacks, the usual
+    bundle list is the system's roots."""
+
+    missing = ssl.DefaultVerifyPaths(None, None, "SSL_CERT_FILE", "/nowhere/cert.pem", "SSL_CERT_DIR", "/nowhere/certs")  # type: ignore[arg-type]
+
+    @defer.inlineCallbacks
+    def test_theFirstReadableBundleIsLoaded(self) -> Any:
+        bundle = self.mktemp()
+        with open(bundle, "wb") as f:
+            f.write(self.pki.pem)  # stands in for the distribution's bundle
+        context = upstreamContext(None, defaults=self.missing, bundles=["/nowhere/ca-bundle.crt", bundle])
+        server = Recorder(greeting=b"pong")
+        port = self.listen(lambda: self.twistedServer(server, [HOST]))
+        client = Recorder()
+        stream = TLSStream(context, client, serverSide=False, serverHostname=HOST, verify=verifyUpstream(HOST))
+        yield self.connect(port, stream)
+        yield client.got
+        self.assertEqual(bytes(client.received), b"pong")
+        stream.loseConnection()
+        yield server.lost
+
+    def test_noBundleAnywhereIsAWarningNamingTheFix(self) -> None:
+        logs = LogCapture()
+        logs.start()
+        self.addCleanup(logs.stop)
+        upstreamContext(None, defaults=self.missing, bundles=["/nowhere/ca-bundle.crt"])
+        [line] = [line for line in logs.lines if "root certificates" in line]
+        self.assertIn("/nowhere/ca-bundle.crt", line)
+        self.assertIn("SSL_CERT_FILE", line)
 
 
 class LeafKeyLoading(unittest.TestCase):

@@ -28,15 +28,19 @@ import os
 import secrets
 import socket
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from service_identity.cryptography import verify_certificate_hostname
+from twisted.logger import Logger
 
 from agentsandbox.egress.compat import notValidAfter, notValidBefore
+from agentsandbox.egressdir import SYSTEM_BUNDLES, EgressDirError, systemBundle
+
+log = Logger(namespace="agentsandbox.egress.tls")
 
 ALPN_HTTP11 = "http/1.1"
 
@@ -236,19 +240,42 @@ def _loadKeyAndChain(
         os.close(fd)
 
 
-def upstreamContext(trust: bytes | None = None) -> ssl.SSLContext:
+def upstreamContext(
+    trust: bytes | None = None,
+    defaults: ssl.DefaultVerifyPaths | None = None,
+    bundles: Sequence[str] = SYSTEM_BUNDLES,
+) -> ssl.SSLContext:
     """TLS to the real hosts: chains verified against ``trust`` (PEM; the
     system's roots when None), host names by OpenSSL, HTTP/1.1 only.
+
+    The system's roots are OpenSSL's default paths (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` included).  Where this Python's OpenSSL was built with
+    paths that do not exist on this system, neither a file nor a directory,
+    the first readable bundle of the usual list (the one ``bundle.pem`` is
+    made from) is loaded instead, as Twisted's ``platformTrust`` does.
+    ``defaults`` and ``bundles`` are for tests.
 
     ``verifyUpstream`` checks the name again with service-identity after the
     handshake, before a request goes out.
     """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    if trust is None:
-        context.load_default_certs()
-    else:
+    if trust is not None:
         context.load_verify_locations(cadata=trust.decode("ascii"))
+    else:
+        context.load_default_certs()
+        paths = defaults if defaults is not None else ssl.get_default_verify_paths()
+        if not paths.cafile and not paths.capath:  # None (typeshed says str) when missing
+            try:
+                path, _ = systemBundle(bundles)
+            except EgressDirError:
+                log.warn(
+                    "egress: no system root certificates found ({paths}), so TLS to injected hosts "
+                    "will fail verification; set SSL_CERT_FILE for the service",
+                    paths=", ".join(bundles),
+                )
+            else:
+                context.load_verify_locations(cafile=path)
     context.set_alpn_protocols([ALPN_HTTP11])
     return context
 
