@@ -375,7 +375,9 @@ class Injector:
     ) -> None:
         self._reactor = reactor
         self._dialer = dialer
-        self._upstreamContext = upstreamContext(upstreamTrust)
+        self._upstreamTrust = upstreamTrust
+        # Made at the first dial: loading the system roots costs a few MB.
+        self._upstreamContext: ssl.SSLContext | None = None
         self.idleTimeout = idleTimeout
         self.upstreamIdleTimeout = upstreamIdleTimeout
         self.handshakeTimeout = handshakeTimeout
@@ -435,6 +437,8 @@ class Injector:
                 return defer.fail(UpstreamError(host, f"cannot connect ({why})"))
             address = addresses[index]
             upstream = _Upstream(self, host, address)
+            if self._upstreamContext is None:
+                self._upstreamContext = upstreamContext(self._upstreamTrust)
             tls = TLSStream(
                 self._upstreamContext,
                 upstream,
