@@ -106,6 +106,10 @@ class Base(unittest.TestCase):
         assert isinstance(host, IPv4Address)
         return int(host.port)
 
+    def listenOurs(self, inner: Protocol) -> int:
+        """A listener whose one connection is ``inner`` behind our server TLS."""
+        return self.listen(lambda: TLSStream(self.ca.serverContext(HOST), inner, serverSide=True))
+
     def connect(self, port: int, protocol: Any) -> defer.Deferred[Any]:
         endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
         d: defer.Deferred[Any] = endpoints.connectProtocol(endpoint, protocol)  # type: ignore[no-untyped-call,unused-ignore]
@@ -145,7 +149,7 @@ class ServerSide(Base):
     @defer.inlineCallbacks
     def test_thePeersCloseNotifyEndsWithConnectionDone(self) -> Any:
         server = Recorder()
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         client = Recorder(greeting=b"one", closeAfter=None)
         clientTLS = self.twistedClient(client, self.ca.pem)
         yield self.connect(port, clientTLS)
@@ -160,7 +164,7 @@ class ServerSide(Base):
     @defer.inlineCallbacks
     def test_aTCPCloseWithoutCloseNotifyEndsWithConnectionLost(self) -> Any:
         server = Recorder()
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         client = Recorder(greeting=b"one")
         clientTLS = self.twistedClient(client, self.ca.pem)
         yield self.connect(port, clientTLS)
@@ -176,7 +180,7 @@ class ServerSide(Base):
     @defer.inlineCallbacks
     def test_aClientThatDistrustsUsEndsWithAnSSLError(self) -> Any:
         server = Recorder(greeting=b"never delivered")
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         client = Recorder(greeting=b"never sent")
         yield self.connect(port, self.twistedClient(client, self.pki.pem))  # trusts another CA
         yield server.lost
@@ -189,9 +193,9 @@ class ServerSide(Base):
         self.assertNotIn("handshake", server.events)
 
     @defer.inlineCallbacks
-    def test_plaintextIsATLSErrorAndOpenSSLsAlert(self) -> Any:
+    def test_plaintextIsATLSErrorAndNothingPlainGoesBack(self) -> Any:
         server = Recorder()
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         raw = Raw(b"GET / HTTP/1.1\r\nHost: api.github.com\r\n\r\n")
         yield self.connect(port, raw)
         yield server.lost
@@ -206,7 +210,7 @@ class ServerSide(Base):
     @defer.inlineCallbacks
     def test_aCloseDuringTheHandshakeIsAHandshakeError(self) -> Any:
         server = Recorder()
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         raw = Raw(b"\x16\x03\x01\x00\x10")  # a ClientHello record header, then nothing
         yield self.connect(port, raw)
         raw.transport.loseConnection()  # type: ignore[union-attr]
@@ -235,7 +239,7 @@ class ServerSide(Base):
     def test_aBigWriteArrivesWhole(self) -> Any:
         payload = os.urandom(3 * 1024 * 1024 + 17)  # many records, several socket writes
         server = Recorder()
-        port = self.listen(lambda: TLSStream(self.ca.serverContext(HOST), server, serverSide=True))
+        port = self.listenOurs(server)
         client = Recorder(greeting=payload)
         yield self.connect(port, self.twistedClient(client, self.ca.pem))
         while len(server.received) < len(payload):
