@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -421,6 +422,14 @@ class OriginTests(unittest.TestCase):
         self.addCleanup(killQuietly, proc)
         assert proc.stdout is not None
         self.assertEqual(proc.stdout.readline(), b"ready\n")
+        # "ready" comes just before the exec: until the new image has its
+        # stack, the kernel shows an empty environ.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if f.read():
+                    break
+            time.sleep(0.01)
         got = procfs.origin("/proc", proc.pid, ["KEEP", "ABSENT"])
         self.assertEqual(got.cwd, os.path.realpath(base))
         self.assertEqual(got.env, {"KEEP": "yes"})
