@@ -14,7 +14,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,6 +27,7 @@ from agentsandbox.broker.spool import Request
 from tests.support.broker_support import (
     Held,
     asyncTest,
+    awaitExec,
     killQuietly,
     makeConfig,
     readReply,
@@ -202,8 +202,7 @@ class SpoolTests(BrokerCase):
             stdout=subprocess.PIPE,
         )
         self.addCleanup(killQuietly, other)
-        assert other.stdout is not None
-        self.assertEqual(other.stdout.readline(), b"ready\n")
+        awaitExec(other)
         reply = await self.rawReply(held.send())
         self.assertIn("held by 2 processes", reply.error or "")
 
@@ -349,8 +348,7 @@ class SpoolTests(BrokerCase):
             stdout=subprocess.PIPE,
         )
         self.addCleanup(killQuietly, sh)
-        assert sh.stdout is not None
-        self.assertEqual(sh.stdout.readline(), b"ready\n")
+        awaitExec(sh)
         held.close()
         held.send()
         return sh, held.base
@@ -420,16 +418,7 @@ class OriginTests(unittest.TestCase):
             stdout=subprocess.PIPE,
         )
         self.addCleanup(killQuietly, proc)
-        assert proc.stdout is not None
-        self.assertEqual(proc.stdout.readline(), b"ready\n")
-        # "ready" comes just before the exec: until the new image has its
-        # stack, the kernel shows an empty environ.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                if f.read():
-                    break
-            time.sleep(0.01)
+        awaitExec(proc)
         got = procfs.origin("/proc", proc.pid, ["KEEP", "ABSENT"])
         self.assertEqual(got.cwd, os.path.realpath(base))
         self.assertEqual(got.env, {"KEEP": "yes"})
@@ -443,8 +432,7 @@ class OriginTests(unittest.TestCase):
             [unshare, "--mount", "/bin/sh", "-c", "echo ready; exec sleep 30"], stdout=subprocess.PIPE
         )
         self.addCleanup(killQuietly, proc)
-        assert proc.stdout is not None
-        self.assertEqual(proc.stdout.readline(), b"ready\n")
+        awaitExec(proc)
         self.assertTrue(procfs.sandboxed("/proc", proc.pid))
         self.assertFalse(procfs.sandboxed("/proc", os.getpid()))
 
