@@ -606,13 +606,7 @@ class _Tunnel(Protocol):
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
         self._timer = None
-        upstream, self._upstream = self._upstream, None
-        if upstream is not None:
-            upstream.unpair()
-            if self._requestDone and self._responseDone and not self._switched:
-                self._injector._release(upstream)
-            else:
-                upstream.close()
+        self._letGoOfUpstream()
 
     # ------------------------------------------------------------------ client bytes
 
@@ -797,6 +791,15 @@ class _Tunnel(Protocol):
         """End the client's connection, letting go of the upstream first (a TLS
         transport with a producer registered would wait for it forever)."""
         self._closed = True
+        self._letGoOfUpstream()
+        if self.transport is not None and not self._gone:
+            if abort:
+                self.transport.abortConnection()  # type: ignore[attr-defined]
+            else:
+                self.transport.loseConnection()
+
+    def _letGoOfUpstream(self) -> None:
+        """Unpair the upstream: back to the pool when it finished its exchange, else closed."""
         upstream, self._upstream = self._upstream, None
         if upstream is not None:
             upstream.unpair()
@@ -804,11 +807,6 @@ class _Tunnel(Protocol):
                 self._injector._release(upstream)
             else:
                 upstream.close()
-        if self.transport is not None and not self._gone:
-            if abort:
-                self.transport.abortConnection()  # type: ignore[attr-defined]
-            else:
-                self.transport.loseConnection()
 
     # ------------------------------------------------------------------ to upstream
 
