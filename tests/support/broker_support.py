@@ -168,13 +168,15 @@ def awaitExec(proc: subprocess.Popen[bytes]) -> None:
     line = proc.stdout.readline()
     if line != b"ready\n":
         raise AssertionError(f"the child said {line!r}, not ready")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/environ", "rb") as f:
-            if f.read():
-                return
-        time.sleep(0.005)
-    raise AssertionError(f"pid {proc.pid} did not finish its exec within 10s")
+
+    def environ() -> bytes:
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    waitFor(environ, timeout=10, what=f"pid {proc.pid} to finish its exec")
 
 
 def killQuietly(proc: subprocess.Popen[Any]) -> None:

@@ -177,13 +177,17 @@ class FakeGitHub:
         return site
 
 
-class _User(resource.Resource):
+class _Route(resource.Resource):
+    """One of the fake's routes: a leaf that records into the fake."""
+
     isLeaf = True
 
     def __init__(self, fake: FakeGitHub) -> None:
         super().__init__()
         self.fake = fake
 
+
+class _User(_Route):
     def render(self, request: server.Request) -> bytes:
         assert request.content is not None
         seen = self.fake.record(request, request.content.read())
@@ -194,13 +198,7 @@ class _User(resource.Resource):
         return json.dumps({"login": "octocat", "id": 1}).encode()
 
 
-class _Echo(resource.Resource):
-    isLeaf = True
-
-    def __init__(self, fake: FakeGitHub) -> None:
-        super().__init__()
-        self.fake = fake
-
+class _Echo(_Route):
     def render(self, request: server.Request) -> bytes:
         assert request.content is not None
         body: bytes = request.content.read()
@@ -209,13 +207,7 @@ class _Echo(resource.Resource):
         return body
 
 
-class _Upload(resource.Resource):
-    isLeaf = True
-
-    def __init__(self, fake: FakeGitHub) -> None:
-        super().__init__()
-        self.fake = fake
-
+class _Upload(_Route):
     def render(self, request: server.Request) -> bytes:
         digest = hashlib.sha256()
         length = 0
@@ -231,13 +223,7 @@ class _Upload(resource.Resource):
         return json.dumps({"length": length, "sha256": digest.hexdigest()}).encode()
 
 
-class _Download(resource.Resource):
-    isLeaf = True
-
-    def __init__(self, fake: FakeGitHub) -> None:
-        super().__init__()
-        self.fake = fake
-
+class _Download(_Route):
     def render(self, request: server.Request) -> Any:
         self.fake.record(request, b"")
         size = int(request.args.get(b"n", [b"0"])[0])
@@ -278,14 +264,11 @@ class _Producer:
         self.left = -1
 
 
-class _Git(resource.Resource):
+class _Git(_Route):
     """``git http-backend`` as CGI under /o/, behind the injected Basic credential."""
 
-    isLeaf = True
-
     def __init__(self, fake: FakeGitHub) -> None:
-        super().__init__()
-        self.fake = fake
+        super().__init__(fake)
         backend = gitHttpBackend()
         self.cgi = _Backend(backend or "/nonexistent", fake.gitRoot)
 
