@@ -23,7 +23,7 @@ from tests.support.broker_support import (
     agentsandboxArgv,
     launcher,
     pythonEnv,
-    tempBase,
+    runningBroker,
 )
 
 # --------------------------------------------------------------------------- wire
@@ -248,16 +248,8 @@ def test_sshSignOutsideOrForVerifyIsTheRealSshKeygen(tmp_path: os.PathLike[str])
 
 @pytest.fixture
 def brokerProcess() -> Iterator[BrokerProcess]:
-    base = tempBase()
-    spool = os.path.join(base, "spool")
-    config = os.path.join(base, "config.toml")
-    with open(config, "w") as f:
-        f.write(f'[broker]\nspool = "{spool}"\n')
-    env = pythonEnv({"HOME": os.path.join(base, "home")})
-    broker = BrokerProcess(config, env, spool)
-    yield broker
-    broker.stop()
-    shutil.rmtree(base, ignore_errors=True)
+    with runningBroker() as (broker, _base):
+        yield broker
 
 
 def test_askPingAndStatus(brokerProcess: BrokerProcess) -> None:

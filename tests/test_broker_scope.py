@@ -23,7 +23,7 @@ from tests.support.broker_support import (
     agentsandboxArgv,
     makeConfig,
     pythonEnv,
-    tempBase,
+    runningBroker,
 )
 
 
@@ -132,25 +132,17 @@ def _userBus() -> str | None:
 
 
 @pytest.fixture
-def scopeBroker() -> Iterator[BrokerProcess]:
-    base = tempBase()
-    spool = os.path.join(base, "spool")
-    config = os.path.join(base, "config.toml")
-    with open(config, "w") as f:
-        f.write(f'[broker]\nspool = "{spool}"\n[scope]\nmemory_max = "1G"\ncpu_quota = "100%"\n')
-    env = pythonEnv({"HOME": os.path.join(base, "home")})
-    broker = BrokerProcess(config, env, spool)
-    broker.base = base  # type: ignore[attr-defined]
-    yield broker
-    broker.stop()
-    shutil.rmtree(base, ignore_errors=True)
+def scopeBroker() -> Iterator[tuple[BrokerProcess, str]]:
+    with runningBroker('[scope]\nmemory_max = "1G"\ncpu_quota = "100%"\n') as running:
+        yield running
 
 
-def test_capWithoutAUserBusRefusesAndRunsNothing(scopeBroker: BrokerProcess) -> None:
+def test_capWithoutAUserBusRefusesAndRunsNothing(scopeBroker: tuple[BrokerProcess, str]) -> None:
     if _userBus() is None:
         pytest.skip("a user bus answers here; the refusal is for machines without one")
-    marker = os.path.join(scopeBroker.base, "ran")  # type: ignore[attr-defined]
-    env = pythonEnv({"AGENTSANDBOX_SPOOL": scopeBroker.spool})
+    broker, base = scopeBroker
+    marker = os.path.join(base, "ran")
+    env = pythonEnv({"AGENTSANDBOX_SPOOL": broker.spool})
     result = subprocess.run(
         agentsandboxArgv("cap", "--memory", "512M", "--", "touch", marker),
         env=env, capture_output=True, timeout=60,
@@ -167,11 +159,12 @@ def test_capWithoutAUserBusRefusesAndRunsNothing(scopeBroker: BrokerProcess) -> 
     assert b"above the cap scope.memory_max = 1G" in above.stderr
 
 
-def test_capMovesTheCommandIntoAScope(scopeBroker: BrokerProcess) -> None:
+def test_capMovesTheCommandIntoAScope(scopeBroker: tuple[BrokerProcess, str]) -> None:
     why = _userBus()
     if why is not None:
         pytest.skip(f"no user systemd here, so no transient scope can start: {why}")
-    env = pythonEnv({"AGENTSANDBOX_SPOOL": scopeBroker.spool})
+    broker, _base = scopeBroker
+    env = pythonEnv({"AGENTSANDBOX_SPOOL": broker.spool})
     result = subprocess.run(
         agentsandboxArgv("cap", "--memory", "512M", "--", sys.executable, "-c",
                          "print(open('/proc/self/cgroup').read())"),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,23 @@ class BrokerProcess:
                 self.proc.wait(5)
         if not self.log.closed:
             self.log.close()
+
+
+@contextlib.contextmanager
+def runningBroker(extraToml: str = "") -> Iterator[tuple[BrokerProcess, str]]:
+    """A broker process on a fresh temporary base (its spool there, ``extraToml``
+    appended to its config), and that base; both gone afterwards."""
+    base = tempBase()
+    spool = os.path.join(base, "spool")
+    config = os.path.join(base, "config.toml")
+    with open(config, "w") as f:
+        f.write(f'[broker]\nspool = "{spool}"\n{extraToml}')
+    broker = BrokerProcess(config, pythonEnv({"HOME": os.path.join(base, "home")}), spool)
+    try:
+        yield broker, base
+    finally:
+        broker.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def awaitExec(proc: subprocess.Popen[bytes]) -> None:
