@@ -112,6 +112,15 @@ let
       # evaluates these modules against ../shared/third_party: a CI test of the repository
       "tests/test_nix_modules.py"
     ];
+    # Both fail when the suite runs as an unprivileged user in a clean
+    # environment (tried here with `unshare -n` + setpriv nobody + env -i,
+    # the nearest thing to the build sandbox); see docs/nix.md.
+    disabledTests = [
+      # its before/after snapshot sees the unwritable directory the test itself made
+      "test_without_permission_setup_prints_the_one_root_command"
+      # no "token renewed" line from the token keeper in that environment
+      "test_the_service_kept_the_token_to_itself"
+    ];
 
     pythonImportsCheck = [
       "agentsandbox"

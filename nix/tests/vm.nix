@@ -1,0 +1,94 @@
+# checks.vm: the NixOS module on a real NixOS VM (runNixOSTest).  Two users
+# with lingering user managers, the socket-activated dispatcher on the one
+# proxy port, a web server on a second machine; per user an allowed and a
+# refused request through the proxy, the PreToolUse hook's refusal, and the
+# installed drop-in equal to what the user's own renderer gives (the
+# SessionStart hook's drift check).
+{ self }:
+{
+  name = "agentsandbox";
+
+  nodes.web =
+    { ... }:
+    {
+      networking.firewall.allowedTCPPorts = [ 80 ];
+      services.nginx = {
+        enable = true;
+        virtualHosts."allowed.example.org".locations."/".return = "200 'hello from web\\n'";
+        virtualHosts."refused.example.org".locations."/".return = "200 'should never be seen\\n'";
+      };
+    };
+
+  nodes.machine =
+    { nodes, ... }:
+    let
+      webIP = nodes.web.networking.primaryIPAddress;
+    in
+    {
+      imports = [ self.nixosModules.default ];
+      networking.hosts.${webIP} = [
+        "allowed.example.org"
+        "refused.example.org"
+      ];
+      users.users = {
+        alice = {
+          isNormalUser = true;
+          linger = true;
+        };
+        bob = {
+          isNormalUser = true;
+          linger = true;
+        };
+      };
+      services.agentsandbox = {
+        enable = true;
+        users = [
+          "alice"
+          "bob"
+        ];
+        settings = {
+          sandbox = {
+            write = [ "~/src" ];
+            # The test network is private (RFC 1918): a CIDR entry opens it.
+            domains = [
+              "allowed.example.org"
+              "${webIP}/32:80"
+            ];
+          };
+          # No GitHub token source in a VM.
+          inject = [ ];
+        };
+      };
+    };
+
+  testScript = ''
+    start_all()
+    web.wait_for_unit("nginx.service")
+    web.wait_for_open_port(80)
+    machine.wait_for_unit("agentsandbox-dispatch.socket")
+    machine.wait_for_open_port(3190)
+
+    for user in ("alice", "bob"):
+        machine.wait_for_unit("agentsandbox.service", user)
+
+    def as_user(user, command):
+        return f"su - {user} -c 'XDG_RUNTIME_DIR=/run/user/$(id -u {user}) {command}'"
+
+    for user in ("alice", "bob"):
+        out = machine.succeed(as_user(user, "curl -sS --max-time 20 -x http://127.0.0.1:3190 http://allowed.example.org/"))
+        assert "hello from web" in out, out
+        code = machine.succeed(as_user(user, "curl -s -o /dev/null -w %{http_code} --max-time 20 -x http://127.0.0.1:3190 http://refused.example.org/"))
+        assert code.strip() == "403", code
+
+        # The file-tool hook refuses reading another user's home.
+        other = "bob" if user == "alice" else "alice"
+        request = f'{{"hook_event_name": "PreToolUse", "tool_name": "Read", "tool_input": {{"file_path": "/home/{other}/.bashrc"}}, "cwd": "/home/{user}"}}'
+        machine.succeed(f"echo '{request}' > /tmp/hook-{user}.json && chmod 0644 /tmp/hook-{user}.json")
+        decision = machine.succeed(as_user(user, f"agentsandbox hook pretooluse < /tmp/hook-{user}.json"))
+        assert "deny" in decision and "sandbox.read" in decision, decision
+
+        # What the user's renderer gives is what the module installed.
+        machine.succeed(as_user(user, f"agentsandbox render claude > /tmp/render-{user}.json"))
+        machine.succeed(f"cmp /tmp/render-{user}.json /etc/claude-code/managed-settings.d/50-agentsandbox.json")
+  '';
+}

@@ -1,0 +1,536 @@
+"""The Nix modules, evaluated offline against real nixpkgs lib and home-manager trees.
+
+``nix/tests/eval-nixos.nix`` and ``nix/tests/eval-hm.nix`` evaluate the modules
+(the NixOS one with ``lib.evalModules`` and stand-in NixOS declarations, the
+home-manager one inside home-manager's real module set) and print JSON.  Here
+that JSON is checked against the package itself:
+
+- the config file each module generates is written as TOML and loaded by the
+  real loader (``agentsandbox.config``);
+- the drop-in each module installs comes from ``nix/dropin.nix``; its build
+  script, as the module instantiated it, is run with this checkout's
+  ``agentsandbox`` where the package's store path stands, and its output must
+  equal ``python -m agentsandbox render claude`` run the way a user's session
+  renders it (the SessionStart hook's drift check);
+- the units must carry every directive of the units shipped in
+  agentsandbox/data/, with store paths only where the contract allows;
+- every refusal the modules assert must be a refusal of the loader, with the
+  loader's own words.
+
+The trees come from ``$AGENTSANDBOX_THIRD_PARTY`` or ``../shared/third_party``;
+without them the module skips, saying so.  With them, a missing nix-instantiate
+fails: CI installs nix-bin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentsandbox.config import ConfigError, loads
+from agentsandbox.paths import Paths
+
+REPO = Path(__file__).resolve().parent.parent
+THIRD_PARTY = Path(os.environ.get("AGENTSANDBOX_THIRD_PARTY") or REPO.parent / "shared" / "third_party")
+LIB_TREE = THIRD_PARTY / "nixpkgs-lib"
+HM_TREE = THIRD_PARTY / "home-manager"
+
+# No daemon, no build users, no binary cache: evaluation only.
+NIX_CONFIG = "build-users-group =\nsubstituters =\nexperimental-features = nix-command flakes\n"
+
+if not (LIB_TREE / "lib" / "default.nix").exists() or not (HM_TREE / "modules" / "modules.nix").exists():
+    pytest.skip(
+        f"no nixpkgs lib and home-manager trees at {THIRD_PARTY} (set AGENTSANDBOX_THIRD_PARTY)",
+        allow_module_level=True,
+    )
+
+ALICE_HOME = "/home/alice"
+
+
+def _nixInstantiate() -> str:
+    found = shutil.which("nix-instantiate")
+    if found is None:
+        pytest.fail("nix-instantiate is not installed (apt-get install nix-bin): the module evaluations cannot run")
+    return found
+
+
+def _run(harness: str, config: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [
+        _nixInstantiate(),
+        "--eval",
+        "--strict",
+        "--json",
+        "--read-write-mode",
+        str(REPO / "nix" / "tests" / harness),
+        "--arg",
+        "libTree",
+        str(LIB_TREE),
+        "--argstr",
+        "configJSON",
+        json.dumps(config),
+        *extra,
+    ]
+    if harness == "eval-hm.nix":
+        argv += ["--arg", "hmTree", str(HM_TREE)]
+    env = dict(os.environ, NIX_CONFIG=NIX_CONFIG)
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def evaluate(harness: str, config: dict[str, Any], *extra: str) -> dict[str, Any]:
+    p = _run(harness, config, *extra)
+    assert p.returncode == 0, p.stderr
+    result: dict[str, Any] = json.loads(p.stdout)
+    return result
+
+
+def evaluationError(harness: str, config: dict[str, Any]) -> str:
+    p = _run(harness, config)
+    assert p.returncode != 0, f"evaluation succeeded: {p.stdout[:500]}"
+    return p.stderr
+
+
+def nixos(config: dict[str, Any]) -> dict[str, Any]:
+    return evaluate("eval-nixos.nix", {"enable": True, **config})
+
+
+def hm(config: dict[str, Any], *extra: str) -> dict[str, Any]:
+    return evaluate("eval-hm.nix", {"enable": True, **config}, *extra)
+
+
+# --------------------------------------------------------------------------- TOML
+
+
+def _tomlValue(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_tomlValue(x) for x in v) + "]"
+    raise TypeError(f"not a TOML scalar or array: {v!r}")
+
+
+def _tomlKey(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
+def toTOML(data: dict[str, Any], prefix: str = "") -> str:
+    """What nixpkgs' formats.toml writes, for the values the modules produce."""
+    lines: list[str] = []
+    tail: list[str] = []
+    for k, v in data.items():
+        key = prefix + _tomlKey(k)
+        if isinstance(v, dict):
+            tail.append(f"[{key}]\n" + toTOML(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for item in v:
+                tail.append(f"[[{key}]]\n" + toTOML(item, key + "."))
+        else:
+            lines.append(f"{_tomlKey(k)} = {_tomlValue(v)}")
+    return "\n".join(lines) + ("\n" if lines else "") + "\n".join(tail)
+
+
+def writeTOML(path: Path, value: dict[str, Any]) -> Path:
+    text = toTOML(value)
+    assert tomllib.loads(text) == value, text  # the writer itself is checked
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------- the package
+
+
+class Package:
+    """This checkout standing where the package's store path was."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        bindir = root / "bin"
+        bindir.mkdir(parents=True)
+        for name, module in (("agentsandbox", "agentsandbox"), ("agentsandbox-twistd", "agentsandbox.tap")):
+            script = bindir / name
+            entry = "-m agentsandbox" if module == "agentsandbox" else "-c 'import sys; from agentsandbox.tap import runTwistd; sys.exit(runTwistd())'"
+            script.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} {entry} "$@"\n')
+            script.chmod(0o755)
+
+    @property
+    def exe(self) -> str:
+        return str(self.root / "bin" / "agentsandbox")
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> Package:
+    return Package(tmp_path / "package")
+
+
+def runDropInScript(script: str, subst: dict[str, str], work: Path) -> bytes:
+    """Run the drop-in derivation's builder as Nix would: clean env, $out, $TMPDIR."""
+    for old, new in subst.items():
+        assert old in script, (old, script)
+        script = script.replace(old, new)
+    build = work / "build"
+    build.mkdir(parents=True)
+    out = work / "out.json"
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(build), "out": str(out), "HOME": "/homeless-shelter"}
+    p = subprocess.run(["bash", "-euc", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    return out.read_bytes()
+
+
+def renderAsUser(package: Package, home: Path, config: Path | None) -> bytes:
+    """``agentsandbox render claude`` the way the user's own session runs it."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(home),
+        "XDG_RUNTIME_DIR": "/run/user/1000",
+        "AGENTSANDBOX_EXE": package.exe,
+    }
+    argv = [package.exe, "render", "claude"] + (["--config", str(config)] if config else [])
+    p = subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def loaderError(value: dict[str, Any], home: str = ALICE_HOME) -> str | None:
+    """The loader's ``KEY: WHY`` for a config, or None when it loads."""
+    raw = toTOML(value).encode()
+    paths = Paths.fromEnvironment({"HOME": home, "XDG_RUNTIME_DIR": "/run/user/1000"})
+    try:
+        loads(raw, f"{home}/.config/agentsandbox/config.toml", paths)
+    except ConfigError as e:
+        return f"{e.key}: {e.why}" if e.key else e.why
+    return None
+
+
+# --------------------------------------------------------------------------- shipped units
+
+
+def shippedUnit(name: str) -> dict[str, dict[str, list[str]]]:
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in (REPO / "agentsandbox" / "data" / name).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        assert current is not None
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def asList(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [v]
+
+
+def substituted(value: str, pkg: str, coreutils: str) -> str:
+    return (
+        value.replace("/usr/bin/", f"{pkg}/bin/")
+        .replace("/bin/kill ", f"{coreutils}/bin/kill ")
+        .replace("file:///usr/share/doc/agentsandbox/", f"file://{pkg}/share/doc/agentsandbox/")
+    )
+
+
+SETTINGS: dict[str, Any] = {
+    "sandbox": {
+        "write": ["~/src"],
+        "read": ["~/.cache/go-build"],
+        "deny": ["~/src/app/.env.d"],
+        "domains": ["github.com", "*.github.com", "registry.example.org", "127.0.0.1:6443"],
+    },
+    "broker": {"run": {"cluster-up": {"argv": ["/usr/local/bin/kind", "create", "cluster"], "args": ["^--name=[a-z0-9-]+$"]}}},
+}
+
+
+# =========================================================================== NixOS
+
+
+@pytest.fixture(scope="module")
+def nixosEval() -> dict[str, Any]:
+    return nixos({"users": ["alice", "bob"], "settings": SETTINGS})
+
+
+def test_nixos_writes_the_settings_to_etc_and_the_loader_takes_them(nixosEval: dict[str, Any], tmp_path: Path) -> None:
+    entry = nixosEval["etc"]["agentsandbox/config.toml"]["source"]
+    value = entry["value"]
+    # Unset keys stay out of the file (the loader's defaults apply); proxy.port is the contract's.
+    assert value == {**SETTINGS, "proxy": {"port": 3190}}
+    assert loaderError(value) is None
+    assert nixosEval["failedAssertions"] == []
+    assert nixosEval["warnings"] == []
+    assert nixosEval["systemPackages"] == [nixosEval["package"]]
+    assert nixosEval["etc"]["claude-code/managed-settings.json"]["text"] == "{}\n"
+    print(f"checked: /etc/agentsandbox/config.toml = {json.dumps(value, sort_keys=True)}")
+
+
+def test_nixos_dropin_is_what_the_renderer_gives_every_user(
+    nixosEval: dict[str, Any], package: Package, tmp_path: Path
+) -> None:
+    config = nixosEval["etc"]["agentsandbox/config.toml"]["source"]
+    dropIn = nixosEval["etc"]["claude-code/managed-settings.d/50-agentsandbox.json"]["source"]
+    toml = writeTOML(tmp_path / "etc" / "config.toml", config["value"])
+    script = dropIn["script"]
+    # The module hands the package's renderer the very file it installs in /etc.
+    assert "render claude --config \"$target\"" in script and f"target={config['path']}" in script
+    built = runDropInScript(script, {nixosEval["package"]: str(package.root), config["path"]: str(toml)}, tmp_path)
+    for user in ("alice", "bob"):
+        home = tmp_path / "home" / user
+        assert built == renderAsUser(package, home, toml), user
+    settings = json.loads(built)
+    assert settings["sandbox"]["network"]["allowedDomains"] == SETTINGS["sandbox"]["domains"]
+    assert settings["hooks"]["PreToolUse"][0]["hooks"][0]["command"] == package.exe
+    print(f"checked: the NixOS drop-in ({len(built)} bytes) equals `agentsandbox render claude` for alice and bob")
+
+
+def test_nixos_dispatcher_units_mirror_the_shipped_ones(nixosEval: dict[str, Any]) -> None:
+    pkg, coreutils = nixosEval["package"], nixosEval["coreutils"]
+    service = nixosEval["services"]["agentsandbox-dispatch"]
+    shipped = shippedUnit("agentsandbox-dispatch.service")
+    for key, values in shipped["Service"].items():
+        if key == "Environment":
+            assert service["environment"] == dict(v.split("=", 1) for v in values)
+            continue
+        assert asList(service["serviceConfig"][key]) == [substituted(v, pkg, coreutils) for v in values], key
+    assert set(service["serviceConfig"]) == set(shipped["Service"]) - {"Environment"}
+    assert service["serviceConfig"]["ExecStart"] == f"{pkg}/bin/agentsandbox dispatch"
+    assert service["requires"] == shipped["Unit"]["Requires"] and service["after"] == shipped["Unit"]["After"]
+    assert service["wantedBy"] == []  # started by its socket only
+
+    socket = nixosEval["sockets"]["agentsandbox-dispatch"]
+    shippedSocket = shippedUnit("agentsandbox-dispatch.socket")
+    assert socket["listenStreams"] == shippedSocket["Socket"]["ListenStream"]
+    for key, values in shippedSocket["Socket"].items():
+        if key != "ListenStream":
+            assert asList(socket["socketConfig"][key]) == values, key
+    assert socket["wantedBy"] == ["sockets.target"]
+    print(f"checked: agentsandbox-dispatch.service ({len(shipped['Service'])} directives) and .socket mirror agentsandbox/data/")
+
+
+def test_nixos_dispatcher_follows_the_port_and_socket_settings() -> None:
+    result = nixos({"settings": {"proxy": {"port": 4100, "dispatch_socket": "/run/as/d.sock"}}})
+    assert result["sockets"]["agentsandbox-dispatch"]["listenStreams"] == ["127.0.0.1:4100", "[::1]:4100", "/run/as/d.sock"]
+    off = nixos({"dispatcher": {"enable": False}})
+    assert off["sockets"] == {} and off["services"] == {}
+    print("checked: proxy.port and proxy.dispatch_socket move the socket unit's listeners; dispatcher.enable = false drops both units")
+
+
+def test_nixos_user_unit_for_every_user_or_the_listed_ones(nixosEval: dict[str, Any]) -> None:
+    pkg, coreutils = nixosEval["package"], nixosEval["coreutils"]
+    unit = nixosEval["userServices"]["agentsandbox"]
+    shipped = shippedUnit("agentsandbox.service")
+    for key, values in shipped["Service"].items():
+        if key != "Environment":
+            assert asList(unit["serviceConfig"][key]) == [substituted(v, pkg, coreutils) for v in values], key
+    assert unit["serviceConfig"]["ExecStart"] == f"{pkg}/bin/agentsandbox-twistd --nodaemon --pidfile= --logfile=- agentsandbox"
+    assert unit["serviceConfig"]["ExecReload"] == f"{coreutils}/bin/kill -HUP $MAINPID"
+    assert unit["wantedBy"] == ["default.target"]
+    assert unit["unitConfig"]["ConditionUser"] == ["|alice", "|bob"]
+    assert unit["environment"]["PYTHONUNBUFFERED"] == "1"
+    path = unit["environment"]["PATH"].split(":")
+    assert any(p.endswith("-git-0/bin") for p in path) and "/etc/profiles/per-user/%u/bin" in path
+    everyone = nixos({})["userServices"]["agentsandbox"]
+    assert "ConditionUser" not in everyone["unitConfig"]
+    print("checked: user unit ExecStart, ExecReload, ConditionUser=|alice |bob (none without users), PATH")
+
+
+def test_nixos_git_signing_points_at_the_wrappers() -> None:
+    result = nixos({"gitSigning": True})
+    pkg = result["package"]
+    assert result["git"]["enable"] is True
+    assert result["git"]["config"]["gpg"] == {
+        "program": f"{pkg}/bin/agentsandbox-gpg",
+        "ssh": {"program": f"{pkg}/bin/agentsandbox-ssh-sign"},
+    }
+    assert nixos({})["git"]["config"] == {}
+
+
+# Each bad setting, and the loader's words for it.  The NixOS module knows no
+# home (the file serves every user), so its messages keep paths as ~/…; the
+# home-manager module expands them as the loader does.
+BAD: list[tuple[str, dict[str, Any]]] = [
+    ("write inside read", {"sandbox": {"read": ["~/src"], "write": ["~/src/app"]}}),
+    ("write inside an implicit read", {"sandbox": {"write": ["~/.claude/projects/x"]}}),
+    ("every host", {"sandbox": {"domains": ["*"]}}),
+    ("every host on a port", {"sandbox": {"domains": ["*:443"]}}),
+    ("inner wildcard", {"sandbox": {"domains": ["api.*.example.com"]}}),
+    ("two wildcards", {"sandbox": {"domains": ["*.*.example.com"]}}),
+    ("loopback without a port", {"sandbox": {"domains": ["localhost"]}}),
+    ("every localhost name", {"sandbox": {"domains": ["*.localhost"]}}),
+    ("IPv6 loopback", {"sandbox": {"domains": ["[::1]"]}}),
+    ("the proxy itself", {"sandbox": {"domains": ["127.0.0.1:3190"]}}),
+    ("port zero", {"sandbox": {"domains": ["registry.example.org:0"]}}),
+    ("port too large", {"sandbox": {"domains": ["registry.example.org:70000"]}}),
+    ("a relative path", {"sandbox": {"write": ["src"]}}),
+    ("an inject rule without a token", {"inject": [{"hosts": ["registry.example.org"]}]}),
+    ("a host command by a relative name", {"broker": {"run": {"up": {"argv": ["kind"]}}}}),
+]
+
+
+@pytest.mark.parametrize(("what", "settings"), BAD, ids=[w for w, _ in BAD])
+def test_nixos_asserts_what_the_loader_refuses(what: str, settings: dict[str, Any]) -> None:
+    expected = loaderError(settings)
+    assert expected is not None, f"the loader takes {settings}"
+    failed = nixos({"settings": settings})["failedAssertions"]
+    assert len(failed) == 1, failed
+    message = failed[0]
+    prefix = "services.agentsandbox.settings: "
+    assert message.startswith(prefix) and message.endswith(" (agentsandbox's config loader refuses this)")
+    assert message[len(prefix) :].split(" (agentsandbox")[0] == expected.replace(ALICE_HOME, "~")
+    print(f"checked: NixOS assertion for {what}: {message}")
+
+
+def test_nixos_accepts_what_the_loader_accepts() -> None:
+    # Broad but legal: the loader takes *.com, so the module does too.
+    for settings in ({"sandbox": {"domains": ["*.com", "127.0.0.1:6443", "[::1]:8080"]}}, {"sandbox": {"read": ["~/src"], "write": ["~/work"]}}):
+        assert loaderError(settings) is None
+        assert nixos({"settings": settings})["failedAssertions"] == []
+
+
+def test_nixos_dispatcher_without_registration_is_refused() -> None:
+    failed = nixos({"settings": {"proxy": {"dispatch_socket": ""}}})["failedAssertions"]
+    assert failed == [
+        'services.agentsandbox: the dispatcher is enabled but settings.proxy.dispatch_socket is "", so no user\'s service would register with it; drop the setting or set dispatcher.enable = false'
+    ]
+    assert nixos({"dispatcher": {"enable": False}, "settings": {"proxy": {"dispatch_socket": ""}}})["failedAssertions"] == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"proxy": {"port": "3190"}}, "services.agentsandbox.settings.proxy.port' is not of type `integer between 1 and 65535"),
+        ({"proxy": {"port": 0}}, "services.agentsandbox.settings.proxy.port' is not of type `integer between 1 and 65535"),
+        ({"sandbox": {"domains": "github.com"}}, "services.agentsandbox.settings.sandbox.domains' is not of type `null or (list of string)"),
+    ],
+)
+def test_nixos_mistyped_setting_fails_with_the_option_named(settings: dict[str, Any], needle: str) -> None:
+    error = evaluationError("eval-nixos.nix", {"enable": True, "settings": settings})
+    assert needle in error, error
+    print(f"checked: NixOS type error: {needle}")
+
+
+def test_nixos_unknown_key_warns() -> None:
+    warnings = nixos({"settings": {"sandbox": {"domain": ["github.com"]}}})["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("services.agentsandbox.settings.sandbox.domain is not a key")
+
+
+# =========================================================================== home-manager
+
+
+@pytest.fixture(scope="module")
+def hmEval() -> dict[str, Any]:
+    return hm({"settings": SETTINGS, "git": {"signing": True}})
+
+
+def test_hm_config_file_and_unit(hmEval: dict[str, Any]) -> None:
+    pkg, coreutils = hmEval["package"], hmEval["coreutils"]
+    entry = hmEval["configFile"]["agentsandbox/config.toml"]
+    assert entry["target"] == ".config/agentsandbox/config.toml"
+    assert entry["source"]["value"] == {**SETTINGS, "proxy": {"port": 3190}}
+    assert loaderError(entry["source"]["value"]) is None
+    assert hmEval["failedAssertions"] == []
+    assert hmEval["homePackages"] == [pkg]
+
+    service = hmEval["service"]
+    assert service["Service"]["ExecStart"] == [f"{pkg}/bin/agentsandbox-twistd --nodaemon --pidfile= --logfile=- agentsandbox"]
+    assert service["Install"] == {"WantedBy": ["default.target"]}
+    assert service["Unit"]["X-Restart-Triggers"] == [entry["source"]["path"]]
+    # The unit file home-manager writes carries every shipped directive.
+    unitText = hmEval["unitFile"]
+    shipped = shippedUnit("agentsandbox.service")
+    for section, keys in shipped.items():
+        assert f"[{section}]" in unitText
+        for key, values in keys.items():
+            for v in values:
+                assert f"\n{key}={substituted(v, pkg, coreutils)}\n" in unitText, (key, v)
+    assert re.search(r"\nEnvironment=PATH=[^\n]*-git-0/bin:[^\n]*-gh-0/bin:/home/alice/\.nix-profile/bin:", unitText)
+    print("checked: ~/.config/agentsandbox/config.toml, systemd.user.services.agentsandbox and the unit file home-manager writes")
+
+
+def test_hm_dropin_is_what_the_users_renderer_gives(hmEval: dict[str, Any], package: Package, tmp_path: Path) -> None:
+    entry = hmEval["dataFile"]["agentsandbox/managed-settings.d/50-agentsandbox.json"]
+    assert entry["target"] == ".local/share/agentsandbox/managed-settings.d/50-agentsandbox.json"
+    config = hmEval["configFile"]["agentsandbox/config.toml"]["source"]
+    home = tmp_path / "home" / "alice"
+    userConfig = writeTOML(home / ".config" / "agentsandbox" / "config.toml", config["value"])
+    stored = writeTOML(tmp_path / "store" / "config.toml", config["value"])
+    built = runDropInScript(entry["source"]["script"], {hmEval["package"]: str(package.root), config["path"]: str(stored)}, tmp_path)
+    assert built == renderAsUser(package, home, None)  # the lookup finds ~/.config/agentsandbox/config.toml
+    assert built == renderAsUser(package, home, userConfig)
+    # Where the config lives matters, which is why the module says where: a
+    # render against a file outside home differs.
+    assert built != renderAsUser(package, home, stored)
+    assert "~/.config/agentsandbox/config.toml" in json.loads(built)["sandbox"]["filesystem"]["allowRead"]
+    print(f"checked: the home-manager drop-in ({len(built)} bytes) equals `agentsandbox render claude` run by alice")
+
+
+def test_hm_activation_prints_the_one_root_command(hmEval: dict[str, Any]) -> None:
+    dropIn = hmEval["dataFile"]["agentsandbox/managed-settings.d/50-agentsandbox.json"]["source"]["path"]
+    script = hmEval["activation"]
+    assert hmEval["activationAfter"] == ["linkGeneration"]
+    target = "/etc/claude-code/managed-settings.d/50-agentsandbox.json"
+    assert f"sudo install -D -m 0644 {dropIn} {target}" in script
+    assert f"cmp -s {dropIn} {target}" in script
+    print("checked: activation prints `sudo install -D -m 0644 <drop-in> /etc/claude-code/managed-settings.d/50-agentsandbox.json`")
+
+
+def test_hm_activation_message_runs(hmEval: dict[str, Any]) -> None:
+    # The stand-in drop-in is never what /etc holds, so the command is printed.
+    p = subprocess.run(["bash", "-euc", hmEval["activation"]], capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert "is not what this configuration renders; install it as root:" in p.stdout
+    assert p.stdout.count("sudo ") == 1, p.stdout
+
+
+def test_hm_git_signing(hmEval: dict[str, Any]) -> None:
+    pkg = hmEval["package"]
+    assert hmEval["git"] == {"program": f"{pkg}/bin/agentsandbox-gpg", "ssh": {"program": f"{pkg}/bin/agentsandbox-ssh-sign"}}
+    assert hmEval["warnings"] == [
+        "services.agentsandbox.git.signing sets programs.git's config, which has no effect while programs.git.enable is false"
+    ]
+    assert hm({})["git"] is None
+
+
+def test_hm_is_linux_only() -> None:
+    failed = hm({}, "--argstr", "system", "x86_64-darwin")["failedAssertions"]
+    assert len(failed) == 1 and "The module services.agentsandbox does not support your platform" in failed[0], failed
+    print(f"checked: home-manager Linux-only assertion: {failed[0].splitlines()[0]}")
+
+
+@pytest.mark.parametrize(("what", "settings"), BAD, ids=[w for w, _ in BAD])
+def test_hm_asserts_the_loaders_own_words(what: str, settings: dict[str, Any]) -> None:
+    expected = loaderError(settings)
+    failed = hm({"settings": settings})["failedAssertions"]
+    assert failed == [f"services.agentsandbox.settings: {expected} (agentsandbox's config loader refuses this)"]
+
+
+def test_hm_mistyped_setting_fails_with_the_option_named() -> None:
+    error = evaluationError("eval-hm.nix", {"enable": True, "settings": {"sandbox": {"write": "~/src"}}})
+    assert "services.agentsandbox.settings.sandbox.write' is not of type `null or (list of string)" in error, error
+
+
+def test_hm_unknown_option_fails() -> None:
+    error = evaluationError("eval-hm.nix", {"enable": True, "setings": {}})
+    assert "The option `services.agentsandbox.setings' does not exist" in error, error
+
+
+@pytest.fixture(autouse=True)
+def _noStrayEnvironment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # The renderer reads these; the tests give it exactly what a user has.
+    for name in ("AGENTSANDBOX_CONFIG", "AGENTSANDBOX_EXE", "CLAUDE_CONFIG_DIR", "XDG_CONFIG_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    yield
