@@ -1,7 +1,8 @@
 # checks.vm: the NixOS module on a real NixOS VM (runNixOSTest).  Two users
 # with lingering user managers, the socket-activated dispatcher on the one
 # proxy port, a web server on a second machine; per user an allowed and a
-# refused request through the proxy, the PreToolUse hook's refusal, and the
+# refused request through the proxy, the PreToolUse hook's refusal (a key in
+# their own home), and the
 # installed drop-in equal to what the user's own renderer gives (the
 # SessionStart hook's drift check).
 { self }:
@@ -80,12 +81,11 @@
         code = machine.succeed(as_user(user, "curl -s -o /dev/null -w %{http_code} --max-time 20 -x http://127.0.0.1:3190 http://refused.example.org/"))
         assert code.strip() == "403", code
 
-        # The file-tool hook refuses reading another user's home.
-        other = "bob" if user == "alice" else "alice"
-        request = f'{{"hook_event_name": "PreToolUse", "tool_name": "Read", "tool_input": {{"file_path": "/home/{other}/.bashrc"}}, "cwd": "/home/{user}"}}'
+        # The file-tool hook refuses a path in the user's own home that no list opens.
+        request = f'{{"hook_event_name": "PreToolUse", "tool_name": "Read", "tool_input": {{"file_path": "/home/{user}/.ssh/id_ed25519"}}, "cwd": "/home/{user}"}}'
         machine.succeed(f"echo '{request}' > /tmp/hook-{user}.json && chmod 0644 /tmp/hook-{user}.json")
         decision = machine.succeed(as_user(user, f"agentsandbox hook pretooluse < /tmp/hook-{user}.json"))
-        assert "deny" in decision and "sandbox.read" in decision, decision
+        assert '"permissionDecision": "deny"' in decision and "sandbox.read" in decision, decision
 
         # What the user's renderer gives is what the module installed.
         machine.succeed(as_user(user, f"agentsandbox render claude > /tmp/render-{user}.json"))
