@@ -31,6 +31,19 @@ if TYPE_CHECKING:
 
 ENV_MARKER = "AGENTSANDBOX"
 
+#: What srt and Claude Code's sandbox set ``NO_PROXY``/``no_proxy`` to for every
+#: sandboxed command (Claude Code 2.1.197 adds ``*.local,.local``).  A client
+#: sends a matching destination directly, and inside the sandbox's network
+#: namespace only loopback answers: a listed ``10.0.0.5:443`` then fails with
+#: "Network is unreachable", a listed ``127.0.0.1:6443`` reaches the sandbox's
+#: own loopback.  ``Policy.proxyVars`` narrows it (docs/run.md).
+SANDBOX_NO_PROXY = (
+    "localhost", "127.0.0.1", "::1", "169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+)
+#: The loopback entries of ``SANDBOX_NO_PROXY``: the only destinations a
+#: sandboxed client can reach without the proxy (servers it runs itself).
+LOOPBACK_NO_PROXY = ("localhost", "127.0.0.1", "::1")
+
 
 def _clean(path: str) -> str:
     return os.path.normpath(path) if path else path
@@ -345,6 +358,49 @@ class Policy:
         if under(path, self.home):
             return "~/" + path[len(self.home) :].lstrip("/")
         return "/" + path
+
+    def noProxy(self) -> str:
+        """``NO_PROXY`` for sandboxed commands: the loopback entries no allow-list entry needs.
+
+        Every other destination goes to the proxy, which forwards what
+        ``sandbox.domains`` lists and refuses the rest naming that key (a direct
+        attempt could only fail).  A loopback entry stays unless a listed entry
+        reaches it (``127.0.0.1:6443`` drops ``127.0.0.1``, ``localhost:8080``
+        drops ``localhost``), so servers a command runs inside its sandbox stay
+        reachable by the names the allow list does not claim.
+        """
+        from agentsandbox.egress.rules import (
+            Entry,
+            EntryError,
+            isLoopbackName,
+            parseIP,
+            unwrapMapped,
+        )
+
+        claimed: set[str] = set()
+        for text in self.domains:
+            try:
+                entry = Entry.parse(text)
+            except EntryError:
+                continue  # the config loader refused it already
+            host = entry.host if entry.host is not None else entry.suffix
+            if host is None or not isLoopbackName(host):
+                continue
+            ip = parseIP(host) if entry.host is not None else None
+            if ip is None:
+                claimed.add("localhost")
+            else:
+                claimed.add(str(unwrapMapped(ip)))
+        return ",".join(e for e in LOOPBACK_NO_PROXY if e not in claimed)
+
+    def proxyVars(self) -> dict[str, str]:
+        """The proxy variables sandboxed commands get over the sandbox's own (``noProxy``).
+
+        They must be set *inside* the sandbox: srt and Claude Code set theirs
+        with bubblewrap's ``--setenv``, over anything the caller passed.
+        """
+        value = self.noProxy()
+        return {"NO_PROXY": value, "no_proxy": value}
 
     def sessionVars(self) -> dict[str, str]:
         """Per-user variables the SessionStart hook exports into sandboxed Bash."""
