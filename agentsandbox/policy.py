@@ -88,6 +88,54 @@ def resolve(path: str, cwd: str, home: str) -> str:
     return os.path.realpath(path)
 
 
+#: The proxy as sandboxed commands see it: the in-sandbox bridge srt and
+#: Claude Code start (their ``HTTPS_PROXY``), which leads to ``proxy.port``.
+SANDBOX_PROXY_URL = "http://localhost:3128"
+
+
+#: The sandboxed clients the narrowed ``NO_PROXY`` serves.
+PROXY_AWARE = "clients that use $HTTPS_PROXY/$HTTP_PROXY and $NO_PROXY (curl, wget, git, pip, Python)"
+
+
+def noProxyNote(noProxy: str) -> str:
+    """Which ``NO_PROXY`` sandboxed commands get, and since when."""
+    return (
+        f"sessions get NO_PROXY={noProxy or '(empty)'} over the sandbox's own, which sends every "
+        "loopback and private address direct into an empty network (Claude Code sessions "
+        "started after the config changed; every `agentsandbox run`)"
+    )
+
+
+def literalFixes(text: str) -> list[str] | None:
+    """For an allow-list entry that is an address (an IP, a CIDR block, a loopback
+    name such as ``localhost:8080``): what clients that the narrowed ``NO_PROXY``
+    does not serve need to reach it.  None for a host name entry."""
+    from agentsandbox.egress.rules import Entry, EntryError, isLoopbackName
+
+    try:
+        entry = Entry.parse(text)
+    except EntryError:
+        return None
+    name = entry.host if entry.host is not None else entry.suffix
+    loopback = name is not None and isLoopbackName(name)
+    if not (entry.isAddressEntry or loopback):
+        return None
+    fixes = [
+        "clients that ignore the proxy variables dial direct and fail (Node's fetch and http, raw "
+        f"TCP such as ssh, psql or nc): give them the proxy, {SANDBOX_PROXY_URL} inside the sandbox "
+        "(HTTP CONNECT to the listed address), e.g. "
+        "`ssh -o ProxyCommand='socat - PROXY:localhost:%h:%p,proxyport=3128' ...`"
+    ]
+    if loopback:
+        fixes.append(
+            "Go programs (kubectl, gh, terraform) never proxy a loopback address, whatever "
+            "NO_PROXY says: use the client's own proxy setting (for kubectl, "
+            "`export KUBECONFIG=$(agentsandbox kubeconfig CONTEXT)` sets proxy-url on loopback "
+            f"clusters; elsewhere {SANDBOX_PROXY_URL})"
+        )
+    return fixes
+
+
 def _withTargets(paths: Iterable[str]) -> tuple[str, ...]:
     """Each path and, where it differs, its symlink-resolved target; sorted, unique.
 
