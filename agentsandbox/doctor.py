@@ -556,11 +556,20 @@ def _duration(seconds: float) -> str:
 
 
 def _scalar(value: Any) -> str:
+    """A figure as a person reads it: no JSON punctuation (``--json`` has that)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, str):
         return value
-    return json.dumps(value, sort_keys=True)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_scalar(v)}" for k, v in sorted(value.items())) or "none"
+    if isinstance(value, list | tuple):
+        return ", ".join(_scalar(v) for v in value) or "none"
+    return str(value)
 
 
 def statusTable(data: Mapping[str, Any]) -> str:

@@ -428,7 +428,8 @@ SAMPLE = {
         {"source": "command gh auth token", "hosts": ["github.com", "api.github.com"], "present": True, "age": 61},
         {"source": "environment variable X", "hosts": ["api.example.org"], "present": False, "lastError": "X is not set"},
     ],
-    "extraFigure": {"a": 1},
+    "extraFigure": {"a": 1, "b": None, "c": ["x", "y"]},
+    "requesters": {"sandboxed": 5, "host": 2},
 }
 
 
@@ -445,7 +446,11 @@ def test_the_status_table() -> None:
     assert any(line.split() == ["injectedRequests", "7"] for line in lines)
     assert "tokens    github.com, api.github.com: present, fetched 61s ago; from command gh auth token" in lines
     assert any("api.example.org: MISSING; from environment variable X; last error: X is not set" in line for line in lines)
-    assert 'extraFigure  {"a": 1}' in lines
+    # No JSON and no Twisted reprs in the table: nested figures read as words.
+    assert "extraFigure  a 1, b none, c x, y" in lines
+    assert any(line.split() == ["listening", "127.0.0.1:3190"] for line in lines)
+    assert "requesters   host 2, sandboxed 5" in lines
+    assert not any(ch in text for ch in '{}"'), text
     assert doctor.statusTable({"pid": 1, "requests": {}}).splitlines()[-1] == "requests  none yet"
 
 
