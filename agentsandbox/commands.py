@@ -134,6 +134,14 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
     print(f"allowed by name: {host}:{port} matches sandbox.domains entry {entry.text!r}")
     if config.injectFor(host.lower().rstrip(".")) is not None and port == 443:
         print(f"  the proxy terminates TLS for {host} and sets its credential header")
+    from agentsandbox.policy import PROXY_AWARE, literalFixes, noProxyNote
+
+    fixes = literalFixes(entry.text)
+    if fixes is not None:
+        print(f"  inside the sandbox, {PROXY_AWARE} reach it through the proxy;")
+        print(f"  {noProxyNote(Policy.fromConfig(config).noProxy())}")
+        for fix in fixes:
+            print(f"  fix: {fix}")
     if not resolve:
         return 0
     describe = _describeResolved()

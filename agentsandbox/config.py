@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agentsandbox.egress.rules import AllowList, Entry, EntryError, isLoopbackName
+from agentsandbox.egress.rules import (
+    AllowList,
+    Entry,
+    EntryError,
+    isLoopbackName,
+    parseIP,
+    unwrapMapped,
+)
 from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateConfig
 
 BUILTIN = "<built-in defaults>"
@@ -466,11 +473,142 @@ def _checkDomains(t: _Table, domains: tuple[str, ...], proxyPort: int) -> None:
                 )
 
 
+#: The forms ``proxy.listen`` takes, as the errors list them.
+LISTEN_FORMS = (
+    "tcp:PORT:interface=ADDR (ADDR a loopback address, such as 127.0.0.1)",
+    "systemd:domain=INET:index=N (socket activation: `agentsandbox setup --socket` writes "
+    "systemd:domain=INET:index=0; INET6 works too)",
+    "HOST:PORT with HOST a loopback address, short for tcp:PORT:interface=HOST",
+)
+
+
+#: ``HOST:PORT``, ``[V6]:PORT``: the shorthand (a bare IPv6 literal has no port).
+_HOST_PORT = re.compile(r"^(\[[^\]]*\]|[^:\[\]]+):[0-9]+$")
+
+
+class ListenError(ValueError):
+    """``proxy.listen`` is not one of ``LISTEN_FORMS``; the message says why."""
+
+
+def _endpointFields(text: str) -> list[str]:
+    """Split a Twisted endpoint description on ``:``; ``\\:`` is a literal colon."""
+    fields, current, chars = [], [], iter(text)
+    for c in chars:
+        if c == "\\":
+            current.append(next(chars, ""))
+        elif c == ":":
+            fields.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    fields.append("".join(current))
+    return fields
+
+
+def _endpointArgs(
+    kind: str, fields: list[str], names: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, str]:
+    """Positional and ``key=value`` fields of an endpoint, by parameter name."""
+    args: dict[str, str] = {}
+    for i, part in enumerate(fields):
+        key, eq, value = part.partition("=")
+        if not eq:
+            if args.keys() - set(names[:i]) or i >= len(names):
+                raise ListenError(f"{kind}: the field {part!r} has no name (write it as name=value)")
+            key, value = names[i], part
+        if key not in names:
+            raise ListenError(f"{kind}: unknown option {key!r} (it takes {', '.join(names)})")
+        if key in args:
+            raise ListenError(f"{kind}: {key} is given twice")
+        args[key] = value
+    missing = [n for n in names if n not in args and n not in optional]
+    if missing:
+        raise ListenError(f"{kind}: {' and '.join(missing)} missing")
+    return args
+
+
+def _loopbackInterface(text: str) -> str:
+    ip = parseIP(text)
+    if ip is None or not unwrapMapped(ip).is_loopback:
+        shown = f"{text!r}" if text else "every interface"
+        raise ListenError(
+            f"the proxy would listen on {shown}, where other machines could reach it; "
+            "it listens on loopback only (interface=127.0.0.1)"
+        )
+    return str(ip)
+
+
+def parseListen(text: str) -> tuple[str, int | None]:
+    """``proxy.listen`` as (Twisted endpoint string, its TCP port or None), or ListenError.
+
+    Only what the proxy works on passes: TCP on a loopback address (the peer
+    check reads the kernel's TCP tables; a proxy other machines could reach
+    would offer them the injected credentials' hosts) and systemd's inherited
+    INET sockets.  ``HOST:PORT`` with a loopback HOST is shorthand for
+    ``tcp:PORT:interface=HOST``: it says the same thing and cannot mean anything else.
+    """
+    fields = _endpointFields(text)
+    kind, rest = fields[0], fields[1:]
+    if kind == "tcp":
+        args = _endpointArgs("tcp", rest, ("port", "interface", "backlog"), ("interface", "backlog"))
+        port = _listenPort(args["port"])
+        _loopbackInterface(args.get("interface", ""))
+        if "backlog" in args and not args["backlog"].isdigit():
+            raise ListenError(f"tcp: backlog {args['backlog']!r} is not a number")
+        return text, port
+    if kind == "systemd":
+        args = _endpointArgs("systemd", rest, ("domain", "index"))
+        if args["domain"] not in ("INET", "INET6"):
+            raise ListenError(
+                f"systemd: domain={args['domain']} is not INET or INET6 (the proxy serves TCP only)"
+            )
+        if not args["index"].isdigit():
+            raise ListenError(f"systemd: index {args['index']!r} is not a number")
+        return text, None
+    shorthand = _HOST_PORT.match(text)
+    host = shorthand.group(1).strip("[]") if shorthand is not None else ""
+    if shorthand is None or not (parseIP(host) or "." in host or host.lower() == "localhost"):
+        if len(fields) == 1 or parseIP(text) is not None:
+            raise ListenError(f"{text!r} is neither an endpoint (tcp:..., systemd:...) nor HOST:PORT")
+        raise ListenError(
+            f"{kind!r} is not an endpoint the proxy listens on (it serves TCP on loopback: "
+            "its same-user check reads the kernel's TCP tables)"
+        )
+    port = _listenPort(text.rpartition(":")[2])
+    interface = _loopbackInterface("127.0.0.1" if host.lower() == "localhost" else host)
+    return f"tcp:{port}:interface={interface.replace(':', chr(92) + ':')}", port
+
+
+def _listenPort(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise ListenError(f"port {text!r} is not a number from 0 to 65535")
+    return int(text)
+
+
 def _parseProxy(t: _Table) -> ProxyConfig:
     port = t.get("port", int, DEFAULT_PROXY_PORT)
     if not 0 < port < 65536:
         raise t.error("port", f"{port} is not a port from 1 to 65535")
     listen = t.get("listen", str, "") or None
+    if listen is not None:
+        try:
+            listen, listenPort = parseListen(listen.strip())
+        except ListenError as e:
+            raise t.error(
+                "listen",
+                f"{e}.  Accepted: {'; '.join(LISTEN_FORMS)}.  To move the proxy to another "
+                "port, set proxy.port alone (the sandboxes dial 127.0.0.1:proxy.port)",
+            ) from None
+        if listenPort:
+            if "port" not in t.data:
+                # The one port the proxy is on is the one the sandboxes must dial.
+                port = listenPort
+            elif listenPort != port:
+                raise t.error(
+                    "listen",
+                    f"listens on port {listenPort}, but proxy.port (the port every sandbox "
+                    f"dials) is {port}; set one port, in proxy.port",
+                )
     parent = t.get("parent", str, "") or None
     if parent is not None and not re.match(r"^http://[^/@\s]+:[0-9]+/?$", parent):
         raise t.error("parent", f"{parent!r} must be http://HOST:PORT (an HTTP CONNECT proxy)")

@@ -397,6 +397,34 @@ def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -
     return checks
 
 
+def checkAddressEntries(policy: Policy) -> Check:
+    """Allow-list entries that are addresses: who inside the sandbox reaches them.
+
+    A warning, never a failure: clients that use the proxy variables reach them
+    (``Policy.noProxy``); the fix says what the others need.
+    """
+    from agentsandbox.policy import PROXY_AWARE, literalFixes, noProxyNote
+
+    name = "address entries"
+    fixes: list[str] = []
+    listed: list[str] = []
+    for text in policy.domains:
+        found = literalFixes(text)
+        if found is None:
+            continue
+        listed.append(repr(text))
+        fixes += [f for f in found if f not in fixes]
+    if not listed:
+        return Check(name, OK, "sandbox.domains lists no IP address, CIDR block or loopback name")
+    return Check(
+        name,
+        WARN,
+        f"{', '.join(listed)}: inside the sandbox, {PROXY_AWARE} reach "
+        f"{'it' if len(listed) == 1 else 'them'} through the proxy; {noProxyNote(policy.noProxy())}",
+        "; ".join(fixes),
+    )
+
+
 def checkBundle(egressDir: str | None) -> Check:
     """The CA bundle sandboxed programs trust (system roots + the injection CA) is readable."""
     name = "CA bundle"
@@ -461,6 +489,7 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
     if config is not None:
         policy = Policy.fromConfig(config, inputs.environ)
         checks.append(checkDropIn(policy, inputs.managedDir))
+        checks.append(checkAddressEntries(policy))
     checks.append(checkServerManaged(paths.claudeDir))
     if config is not None:
         brokerCheck, report = checkBroker(config.broker.spool, inputs.ask)
@@ -527,11 +556,20 @@ def _duration(seconds: float) -> str:
 
 
 def _scalar(value: Any) -> str:
+    """A figure as a person reads it: no JSON punctuation (``--json`` has that)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, str):
         return value
-    return json.dumps(value, sort_keys=True)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_scalar(v)}" for k, v in sorted(value.items())) or "none"
+    if isinstance(value, list | tuple):
+        return ", ".join(_scalar(v) for v in value) or "none"
+    return str(value)
 
 
 def statusTable(data: Mapping[str, Any]) -> str:

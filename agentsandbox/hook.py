@@ -260,6 +260,9 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
     policy = Policy.fromConfig(config, environ)
     exports = dict(policy.sessionVars())
     exports.update(_egressVars(policy.egress))
+    # Claude Code sources this file inside the sandbox, after its own --setenv:
+    # the narrowed NO_PROXY wins there (measured on 2.1.197 and the newest).
+    exports.update(policy.proxyVars())
     names = [
         n
         for n in credentialNames(environ, config.sandbox.unset_env, config.sandbox.keep_env)

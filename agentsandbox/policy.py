@@ -31,6 +31,19 @@ if TYPE_CHECKING:
 
 ENV_MARKER = "AGENTSANDBOX"
 
+#: What srt and Claude Code's sandbox set ``NO_PROXY``/``no_proxy`` to for every
+#: sandboxed command (Claude Code 2.1.197 adds ``*.local,.local``).  A client
+#: sends a matching destination directly, and inside the sandbox's network
+#: namespace only loopback answers: a listed ``10.0.0.5:443`` then fails with
+#: "Network is unreachable", a listed ``127.0.0.1:6443`` reaches the sandbox's
+#: own loopback.  ``Policy.proxyVars`` narrows it (docs/run.md).
+SANDBOX_NO_PROXY = (
+    "localhost", "127.0.0.1", "::1", "169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
+)
+#: The loopback entries of ``SANDBOX_NO_PROXY``: the only destinations a
+#: sandboxed client can reach without the proxy (servers it runs itself).
+LOOPBACK_NO_PROXY = ("localhost", "127.0.0.1", "::1")
+
 
 def _clean(path: str) -> str:
     return os.path.normpath(path) if path else path
@@ -73,6 +86,54 @@ def resolve(path: str, cwd: str, home: str) -> str:
     # keeps missing components as they are: a Write through a dangling link creates
     # the link's target, so the target is what must be decided.
     return os.path.realpath(path)
+
+
+#: The proxy as sandboxed commands see it: the in-sandbox bridge srt and
+#: Claude Code start (their ``HTTPS_PROXY``), which leads to ``proxy.port``.
+SANDBOX_PROXY_URL = "http://localhost:3128"
+
+
+#: The sandboxed clients the narrowed ``NO_PROXY`` serves.
+PROXY_AWARE = "clients that use $HTTPS_PROXY/$HTTP_PROXY and $NO_PROXY (curl, wget, git, pip, Python)"
+
+
+def noProxyNote(noProxy: str) -> str:
+    """Which ``NO_PROXY`` sandboxed commands get, and since when."""
+    return (
+        f"sessions get NO_PROXY={noProxy or '(empty)'} over the sandbox's own, which sends every "
+        "loopback and private address direct into an empty network (Claude Code sessions "
+        "started after the config changed; every `agentsandbox run`)"
+    )
+
+
+def literalFixes(text: str) -> list[str] | None:
+    """For an allow-list entry that is an address (an IP, a CIDR block, a loopback
+    name such as ``localhost:8080``): what clients that the narrowed ``NO_PROXY``
+    does not serve need to reach it.  None for a host name entry."""
+    from agentsandbox.egress.rules import Entry, EntryError, isLoopbackName
+
+    try:
+        entry = Entry.parse(text)
+    except EntryError:
+        return None
+    name = entry.host if entry.host is not None else entry.suffix
+    loopback = name is not None and isLoopbackName(name)
+    if not (entry.isAddressEntry or loopback):
+        return None
+    fixes = [
+        "clients that ignore the proxy variables dial direct and fail (Node's fetch and http, raw "
+        f"TCP such as ssh, psql or nc): give them the proxy, {SANDBOX_PROXY_URL} inside the sandbox "
+        "(HTTP CONNECT to the listed address), e.g. "
+        "`ssh -o ProxyCommand='socat - PROXY:localhost:%h:%p,proxyport=3128' ...`"
+    ]
+    if loopback:
+        fixes.append(
+            "Go programs (kubectl, gh, terraform) never proxy a loopback address, whatever "
+            "NO_PROXY says: use the client's own proxy setting (for kubectl, "
+            "`export KUBECONFIG=$(agentsandbox kubeconfig CONTEXT)` sets proxy-url on loopback "
+            f"clusters; elsewhere {SANDBOX_PROXY_URL})"
+        )
+    return fixes
 
 
 def _withTargets(paths: Iterable[str]) -> tuple[str, ...]:
@@ -345,6 +406,49 @@ class Policy:
         if under(path, self.home):
             return "~/" + path[len(self.home) :].lstrip("/")
         return "/" + path
+
+    def noProxy(self) -> str:
+        """``NO_PROXY`` for sandboxed commands: the loopback entries no allow-list entry needs.
+
+        Every other destination goes to the proxy, which forwards what
+        ``sandbox.domains`` lists and refuses the rest naming that key (a direct
+        attempt could only fail).  A loopback entry stays unless a listed entry
+        reaches it (``127.0.0.1:6443`` drops ``127.0.0.1``, ``localhost:8080``
+        drops ``localhost``), so servers a command runs inside its sandbox stay
+        reachable by the names the allow list does not claim.
+        """
+        from agentsandbox.egress.rules import (
+            Entry,
+            EntryError,
+            isLoopbackName,
+            parseIP,
+            unwrapMapped,
+        )
+
+        claimed: set[str] = set()
+        for text in self.domains:
+            try:
+                entry = Entry.parse(text)
+            except EntryError:
+                continue  # the config loader refused it already
+            host = entry.host if entry.host is not None else entry.suffix
+            if host is None or not isLoopbackName(host):
+                continue
+            ip = parseIP(host) if entry.host is not None else None
+            if ip is None:
+                claimed.add("localhost")
+            else:
+                claimed.add(str(unwrapMapped(ip)))
+        return ",".join(e for e in LOOPBACK_NO_PROXY if e not in claimed)
+
+    def proxyVars(self) -> dict[str, str]:
+        """The proxy variables sandboxed commands get over the sandbox's own (``noProxy``).
+
+        They must be set *inside* the sandbox: srt and Claude Code set theirs
+        with bubblewrap's ``--setenv``, over anything the caller passed.
+        """
+        value = self.noProxy()
+        return {"NO_PROXY": value, "no_proxy": value}
 
     def sessionVars(self) -> dict[str, str]:
         """Per-user variables the SessionStart hook exports into sandboxed Bash."""

@@ -105,6 +105,8 @@ def sessionVars(policy: Policy) -> dict[str, str]:
     out = dict(policy.sessionVars())
     if policy.egress is not None:
         out.update(egressVars(policy.egress, signingGitConfig(policy.egress)))
+    # srt sets its own over these with --setenv; srtArgv sets them again inside.
+    out.update(policy.proxyVars())
     return out
 
 
@@ -306,9 +308,26 @@ BRIDGE_WAIT = (
 )
 
 
-def srtArgv(srtProgram: str, settingsPath: str, command: Sequence[str]) -> list[str]:
-    """srt running ``command`` exactly (through ``exec "$@"``) once its bridges listen."""
-    return [srtProgram, "--settings", settingsPath, "--", "/bin/sh", "-c", BRIDGE_WAIT, "agentsandbox-run", *command]
+def insideEnv(env: Mapping[str, str]) -> str:
+    """Shell that sets the proxy variables of ``env`` inside the sandbox.
+
+    srt gives every command its own ``NO_PROXY`` (loopback and the private
+    ranges) through bubblewrap's ``--setenv``, over the caller's environment, so
+    the narrowed value (``Policy.noProxy``) takes effect only when set in there.
+    """
+    names = [n for n in ("NO_PROXY", "no_proxy") if n in env]
+    if not names:
+        return ""
+    return "".join(f"{n}={shlex.quote(env[n])}; " for n in names) + "export " + " ".join(names) + "; "
+
+
+def srtArgv(
+    srtProgram: str, settingsPath: str, command: Sequence[str], env: Mapping[str, str] | None = None
+) -> list[str]:
+    """srt running ``command`` exactly (through ``exec "$@"``) once its bridges listen,
+    with ``env``'s proxy variables set over srt's own."""
+    script = insideEnv(env or {}) + BRIDGE_WAIT
+    return [srtProgram, "--settings", settingsPath, "--", "/bin/sh", "-c", script, "agentsandbox-run", *command]
 
 
 def exitStatus(returncode: int) -> int:
@@ -417,7 +436,7 @@ def run(
     policy.mountPoints()
     with settingsFile(settings, settingsDir(policy)) as path:
         try:
-            return runUnder(srtArgv(srtProgram, path, command), env, cwd)
+            return runUnder(srtArgv(srtProgram, path, command, env), env, cwd)
         except OSError as e:
             _say(f"cannot start srt: {e.strerror or e}")
             return EX_UNENFORCED

@@ -231,7 +231,7 @@ class AgentSandbox(MultiService):
         # so a long clone shows its bytes while it runs.
         open_ = list(self.proxyFactory.tunnels)
         return {
-            "listening": str(self.proxy.port.getHost()) if self.proxy.port is not None else None,
+            "listening": self.proxy.address,
             "openTunnels": len(open_),
             "tunnelsClosed": events["tunnel"],
             "forwarded": events["forward"],

@@ -87,6 +87,21 @@ def test_check_host_names_the_injection(user: User) -> None:
     assert "terminates TLS for api.github.com" in p.stdout
 
 
+def test_check_host_says_which_sandboxed_clients_reach_an_address_entry(user: User) -> None:
+    user.writeConfig('[sandbox]\ndomains = ["example.org", "127.0.0.1:6443", "10.0.0.0/8"]\n')
+    loop = cli(user, "check", "host", "127.0.0.1:6443")
+    assert loop.returncode == 0
+    assert "curl, wget, git, pip, Python) reach it through the proxy" in loop.stdout
+    assert "sessions get NO_PROXY=localhost,::1 over the sandbox's own" in loop.stdout
+    assert "fix: clients that ignore the proxy variables" in loop.stdout and "PROXY:localhost:%h:%p" in loop.stdout
+    assert "fix: Go programs (kubectl, gh, terraform) never proxy a loopback address" in loop.stdout
+    private = cli(user, "check", "host", "10.1.2.3:80")
+    assert private.returncode == 0 and "fix: clients that ignore the proxy variables" in private.stdout
+    assert "Go programs" not in private.stdout  # Go proxies private addresses as NO_PROXY says
+    name = cli(user, "check", "host", "example.org")
+    assert "NO_PROXY" not in name.stdout and "fix:" not in name.stdout
+
+
 def test_install_into_a_managed_dir(user: User, tmp_path: Path) -> None:
     user.writeConfig('[sandbox]\nwrite = ["~/work"]\ndeny = ["~/work/scan"]\n')
     managed = tmp_path / "claude-code"

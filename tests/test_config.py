@@ -147,6 +147,69 @@ def test_bad_config_names_file_key_and_why(user: User, text: str, error: str) ->
     assert str(e.value).startswith("/etc/agentsandbox/test.toml: " + error.replace("{home}", str(user.home)))
 
 
+def _proxy(user: User, body: str) -> tuple[int, str]:
+    c = loads(f"[proxy]\n{body}".encode(), "/etc/agentsandbox/test.toml", Paths.fromEnvironment(user.env))
+    return c.proxy.port, c.proxy.endpoint
+
+
+@pytest.mark.parametrize(
+    ("body", "port", "endpoint"),
+    [
+        ('listen = "tcp:3190:interface=127.0.0.1"\n', 3190, "tcp:3190:interface=127.0.0.1"),
+        ('listen = "tcp:port=3191:interface=127.0.0.1:backlog=64"\n', 3191, "tcp:port=3191:interface=127.0.0.1:backlog=64"),
+        ('listen = "systemd:domain=INET:index=0"\n', 3190, "systemd:domain=INET:index=0"),
+        ('port = 4000\nlisten = "systemd:domain=INET6:index=1"\n', 4000, "systemd:domain=INET6:index=1"),
+        # HOST:PORT with a loopback HOST is shorthand; its port is the one the sandboxes dial.
+        ('listen = "127.0.0.1:3191"\n', 3191, "tcp:3191:interface=127.0.0.1"),
+        ('listen = "localhost:3190"\n', 3190, "tcp:3190:interface=127.0.0.1"),
+        ('listen = "[::1]:3192"\n', 3192, "tcp:3192:interface=\\:\\:1"),
+        ('port = 3193\nlisten = "127.0.0.1:3193"\n', 3193, "tcp:3193:interface=127.0.0.1"),
+        # Port 0 (a free port, for tests) leaves proxy.port alone.
+        ('listen = "tcp:0:interface=127.0.0.1"\n', 3190, "tcp:0:interface=127.0.0.1"),
+    ],
+)
+def test_proxy_listen_forms(user: User, body: str, port: int, endpoint: str) -> None:
+    assert _proxy(user, body) == (port, endpoint)
+
+
+@pytest.mark.parametrize(
+    ("listen", "why"),
+    [
+        ("0.0.0.0:3190", "the proxy would listen on '0.0.0.0', where other machines could reach it"),
+        ("tcp:3190", "the proxy would listen on every interface, where other machines could reach it"),
+        ("tcp:3190:interface=192.168.1.5", "the proxy would listen on '192.168.1.5'"),
+        ("example.org:3190", "the proxy would listen on 'example.org'"),
+        ("unix:/run/user/1000/proxy.sock", "'unix' is not an endpoint the proxy listens on (it serves TCP on loopback"),
+        ("ssl:3190", "'ssl' is not an endpoint the proxy listens on"),
+        ("systemd:domain=UNIX:index=0", "systemd: domain=UNIX is not INET or INET6 (the proxy serves TCP only)"),
+        ("systemd:domain=INET", "systemd: index missing"),
+        ("systemd:domain=INET:index=x", "systemd: index 'x' is not a number"),
+        ("tcp:3190:interface=127.0.0.1:mode=600", "tcp: unknown option 'mode' (it takes port, interface, backlog)"),
+        ("tcp:99999:interface=127.0.0.1", "port '99999' is not a number from 0 to 65535"),
+        ("3190", "'3190' is neither an endpoint (tcp:..., systemd:...) nor HOST:PORT"),
+        ("127.0.0.1", "'127.0.0.1' is neither an endpoint (tcp:..., systemd:...) nor HOST:PORT"),
+    ],
+)
+def test_proxy_listen_refused_at_load_naming_the_forms_and_proxy_port(user: User, listen: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _proxy(user, f'listen = "{listen}"\n')
+    text = str(e.value)
+    assert text.startswith(f"/etc/agentsandbox/test.toml: proxy.listen: {why}"), text
+    assert "Accepted: tcp:PORT:interface=ADDR" in text
+    assert "systemd:domain=INET:index=N" in text and "systemd:domain=INET:index=0" in text
+    assert "HOST:PORT with HOST a loopback address" in text
+    assert "set proxy.port alone" in text
+
+
+def test_proxy_listen_and_port_must_agree(user: User) -> None:
+    with pytest.raises(ConfigError) as e:
+        _proxy(user, 'port = 3190\nlisten = "127.0.0.1:3191"\n')
+    assert str(e.value) == (
+        "/etc/agentsandbox/test.toml: proxy.listen: listens on port 3191, but proxy.port (the port "
+        "every sandbox dials) is 3190; set one port, in proxy.port"
+    )
+
+
 def test_not_toml_and_not_utf8(user: User) -> None:
     paths = Paths.fromEnvironment(user.env)
     with pytest.raises(ConfigError, match=r"^f.toml: not valid TOML: "):

@@ -129,6 +129,19 @@ def test_the_drop_in_installed_current_and_drifted(user: User, tmp_path: Path) -
     assert c.status == doctor.FAIL and "differs from what the current config renders" in c.detail
 
 
+def test_address_entries_say_which_clients_need_the_proxy_set_by_hand(user: User) -> None:
+    c = doctor.checkAddressEntries(user.policy('[sandbox]\ndomains = ["example.org", "*.example.com"]\n'))
+    assert c.status == doctor.OK and "no IP address" in c.detail
+    c = doctor.checkAddressEntries(user.policy('[sandbox]\ndomains = ["example.org", "127.0.0.1:6443", "localhost:8080"]\n'))
+    assert c.status == doctor.WARN and not c.failed
+    assert "'127.0.0.1:6443', 'localhost:8080'" in c.detail and "reach them through the proxy" in c.detail
+    assert "sessions get NO_PROXY=::1 over the sandbox's own" in c.detail
+    assert c.fix is not None
+    assert "ProxyCommand='socat - PROXY:localhost:%h:%p,proxyport=3128'" in c.fix
+    assert "Go programs (kubectl, gh, terraform) never proxy a loopback address" in c.fix
+    assert c.fix.count("clients that ignore the proxy variables") == 1
+
+
 def test_server_managed_settings_replace_the_file_tier(user: User) -> None:
     claudeDir = str(user.home / ".claude")
     assert doctor.checkServerManaged(claudeDir).status == doctor.OK
@@ -415,7 +428,8 @@ SAMPLE = {
         {"source": "command gh auth token", "hosts": ["github.com", "api.github.com"], "present": True, "age": 61},
         {"source": "environment variable X", "hosts": ["api.example.org"], "present": False, "lastError": "X is not set"},
     ],
-    "extraFigure": {"a": 1},
+    "extraFigure": {"a": 1, "b": None, "c": ["x", "y"]},
+    "requesters": {"sandboxed": 5, "host": 2},
 }
 
 
@@ -432,7 +446,11 @@ def test_the_status_table() -> None:
     assert any(line.split() == ["injectedRequests", "7"] for line in lines)
     assert "tokens    github.com, api.github.com: present, fetched 61s ago; from command gh auth token" in lines
     assert any("api.example.org: MISSING; from environment variable X; last error: X is not set" in line for line in lines)
-    assert 'extraFigure  {"a": 1}' in lines
+    # No JSON and no Twisted reprs in the table: nested figures read as words.
+    assert "extraFigure  a 1, b none, c x, y" in lines
+    assert any(line.split() == ["listening", "127.0.0.1:3190"] for line in lines)
+    assert "requesters   host 2, sandboxed 5" in lines
+    assert not any(ch in text for ch in '{}"'), text
     assert doctor.statusTable({"pid": 1, "requests": {}}).splitlines()[-1] == "requests  none yet"
 
 

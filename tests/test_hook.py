@@ -342,6 +342,19 @@ def test_sessionstart_export_lines_run_in_a_shell(user: User, tmp_path: Path) ->
     assert "AGENTSANDBOX=1" in out.stdout
 
 
+def test_sessionstart_narrows_no_proxy_to_the_loopback_not_listed(user: User, tmp_path: Path) -> None:
+    # The sandbox's own NO_PROXY (set before the file is sourced) sends a listed
+    # 127.0.0.1:PORT direct into the sandbox's empty loopback; the file's export wins.
+    user.writeConfig('[sandbox]\ndomains = ["127.0.0.1:6443", "10.0.0.0/8"]\n')
+    envFile = tmp_path / "env.sh"
+    sessionStart(user, envFile)
+    sandboxOwn = "localhost,127.0.0.1,::1,169.254.0.0/16,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+    env = {"PATH": "/usr/bin:/bin", "NO_PROXY": sandboxOwn, "no_proxy": sandboxOwn}
+    out = subprocess.run(["sh", "-c", f". {envFile}; env"], env=env, capture_output=True, text=True, check=True)
+    assert "NO_PROXY=localhost,::1" in out.stdout.splitlines()
+    assert "no_proxy=localhost,::1" in out.stdout.splitlines()
+
+
 def test_sessionstart_says_nothing_when_the_drop_in_is_current(user: User, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     user.writeConfig("")
     managed = tmp_path / "managed"

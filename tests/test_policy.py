@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from agentsandbox.policy import Policy, resolve, under, underGlob
+from agentsandbox.policy import SANDBOX_NO_PROXY, Policy, resolve, under, underGlob
 from tests.conftest import User
 
 
@@ -188,6 +188,28 @@ def test_symlinked_config_home_is_named_by_its_target(user: User) -> None:
     assert p.sessionVars()["XDG_CONFIG_HOME"] == str(real)
     assert "GIT_CONFIG_GLOBAL" not in p.sessionVars()
     assert p.readable(str(real / "git/config"), "/")
+
+
+@pytest.mark.parametrize(
+    ("domains", "kept"),
+    [
+        # Nothing loopback listed: the sandbox's loopback entries stay, the private
+        # ranges go (a direct dial there could only fail; the proxy refuses by name).
+        (["example.org", "10.0.0.5:443", "10.0.0.0/8", "192.168.1.7:80"], "localhost,127.0.0.1,::1"),
+        (["127.0.0.1:6443"], "localhost,::1"),
+        (["localhost:8080"], "127.0.0.1,::1"),
+        (["*.localhost:80"], "127.0.0.1,::1"),
+        (["[::1]:80", "[::ffff:127.0.0.1]:81"], "localhost"),
+        (["127.0.0.2:80"], "localhost,127.0.0.1,::1"),  # NO_PROXY's 127.0.0.1 does not cover 127.0.0.2
+        (["127.0.0.1:1", "localhost:2", "[::1]:3"], ""),
+    ],
+)
+def test_no_proxy_keeps_the_loopback_the_allow_list_does_not_claim(user: User, domains: list[str], kept: str) -> None:
+    listed = ", ".join(f'"{d}"' for d in domains)
+    p = user.policy(f"[sandbox]\ndomains = [{listed}]\n")
+    assert p.noProxy() == kept
+    assert p.proxyVars() == {"NO_PROXY": kept, "no_proxy": kept}
+    assert set(kept.split(",") if kept else ()) <= set(SANDBOX_NO_PROXY)
 
 
 def test_setting_prefixes(user: User) -> None:

@@ -24,6 +24,7 @@ from agentsandbox.config import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from tests.conftest import REPO
+from tests.support.service_process import HelloServer, ServiceProcess, serveArgv
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 SRT_TOOLS = ("srt", "bwrap", "socat", "rg", "node")
@@ -230,6 +231,63 @@ def test_network_goes_only_through_the_proxy(served: Host) -> None:
     assert not any("/direct" in line for line in served.proxy.lines)
 
 
+@dataclass
+class RealService:
+    """A host whose service is the real one (``agentsandbox serve``: proxy and broker)."""
+
+    host: Host
+    service: ServiceProcess
+    listed: HelloServer
+    unlisted: HelloServer
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealService]:
+    _needSrt()
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed (.ci/install-deps installs it)")
+    host = _makeHost(tmp_path_factory.mktemp("real"))
+    listed, unlisted = HelloServer(), HelloServer()
+    config = host.config.read_text().replace('domains = ["example.org"]', f'domains = ["127.0.0.1:{listed.port}"]')
+    host.config.write_text(config)
+    service = ServiceProcess(serveArgv(), host.env, cwd=str(host.base), logPath=str(host.base / "service.log"))
+    try:
+        assert service.proxyPort() == host.port
+        service.brokerServing()
+        yield RealService(host, service, listed, unlisted)
+    finally:
+        service.kill()
+        listed.close()
+        unlisted.close()
+
+
+def test_a_listed_loopback_literal_is_reached_through_the_proxy_and_an_unlisted_one_refused(real: RealService) -> None:
+    # srt's NO_PROXY names 127.0.0.1: without run's narrowing a plain curl would
+    # dial the sandbox's own loopback and fail with "Couldn't connect".
+    script = (
+        "echo NO_PROXY=$NO_PROXY no_proxy=$no_proxy; "
+        f"curl -sS http://127.0.0.1:{real.listed.port}/listed; "
+        f"curl -sS -i http://127.0.0.1:{real.unlisted.port}/unlisted"
+    )
+    p = real.host.run("--", "sh", "-c", script)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert "NO_PROXY=localhost,::1 no_proxy=localhost,::1" in p.stdout
+    assert HelloServer.BODY.decode() in p.stdout, (p.stdout, p.stderr)
+    assert "HTTP/1.1 403" in p.stdout, p.stdout
+    assert f"127.0.0.1:{real.unlisted.port} is not on the sandbox's allow list" in p.stdout
+    assert "sandbox.domains" in p.stdout
+
+
+def test_proxy_variables_are_set_inside_the_sandbox() -> None:
+    argv = runModule.srtArgv("srt", "/s.json", ["cmd", "a b"], {"NO_PROXY": "localhost,::1", "no_proxy": "localhost,::1"})
+    assert argv[:6] == ["srt", "--settings", "/s.json", "--", "/bin/sh", "-c"]
+    assert argv[6] == "NO_PROXY=localhost,::1; no_proxy=localhost,::1; export NO_PROXY no_proxy; " + runModule.BRIDGE_WAIT
+    assert argv[7:] == ["agentsandbox-run", "cmd", "a b"]
+    # An empty value proxies everything, loopback included; quoting keeps it a value.
+    assert runModule.insideEnv({"NO_PROXY": "", "no_proxy": ""}) == "NO_PROXY=''; no_proxy=''; export NO_PROXY no_proxy; "
+    assert runModule.srtArgv("srt", "/s.json", ["cmd"])[6] == runModule.BRIDGE_WAIT
+
+
 def test_print_shows_settings_and_environment_and_runs_nothing(idle: Host) -> None:
     marker = idle.work / "ran"
     p = idle.run("--print", "--", "touch", str(marker))
@@ -240,6 +298,7 @@ def test_print_shows_settings_and_environment_and_runs_nothing(idle: Host) -> No
     assert str(idle.home / ".ssh") not in p.stdout.split('"allowRead"')[1].split("]")[0]
     assert "LANG=C.UTF-8" in p.stdout
     assert "AGENTSANDBOX=1" in p.stdout
+    assert "NO_PROXY=localhost,127.0.0.1,::1" in p.stdout.splitlines()
     for name, value in PLANTED.items():
         assert name not in p.stdout and value not in p.stdout
     assert f"srt --settings SETTINGS -- touch {marker}" in p.stdout

@@ -297,7 +297,7 @@ class BrokerTests(ServiceCase):
 
         report = await self.status()
         proxy = report["proxy"]
-        self.assertEqual(proxy["listening"], str(self.service.proxy.port.getHost()))  # type: ignore[union-attr]
+        self.assertEqual(proxy["listening"], f"127.0.0.1:{self.proxyPort}")
         self.assertEqual(proxy["openTunnels"], 1)
         self.assertGreaterEqual(proxy["refused"], 1)
         # The closed tunnel's 1000 bytes and the open one's 500, both ways.

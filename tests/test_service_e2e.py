@@ -17,7 +17,9 @@ Then one Claude Code session per binary (2.1.197 always; the newest where it
 runs) with the drop-in installed in /etc/claude-code (restored afterwards), and
 one ``agentsandbox run -- sh -c '…'``, each making the same calls:
 
-(a) ``curl`` to the allowed local host through our proxy (audit shows it);
+(a) a plain ``curl http://127.0.0.1:PORT/`` to the allowed local host goes through
+    our proxy (audit shows it), and one to an unlisted loopback port is refused
+    by our proxy naming ``sandbox.domains``;
 (b) ``curl`` to an unlisted host, refused by our proxy with our reason;
 (c) ``git clone https://github.com/o/r`` with the token injected at the fake
     and absent from the sandbox's environment and files;
@@ -27,10 +29,11 @@ and, for Claude Code, a Read of ``~/.aws/credentials`` denied.
 
 Each check is its own test over the one recorded session.
 
-Inside both sandboxes ``NO_PROXY`` lists 127.0.0.1 (Claude Code and srt set it,
-for servers the agent runs inside its own network namespace), so a client
-reaches an allowed *host* loopback service only when told to use the proxy:
-the calls use ``curl --noproxy ''``.
+Both sandboxes set ``NO_PROXY`` to loopback and the private ranges, so a plain
+client would dial a listed ``127.0.0.1:PORT`` inside its own empty network
+namespace.  The SessionStart hook (Claude Code) and ``agentsandbox run`` (srt)
+narrow it inside the sandbox to the loopback names the allow list does not
+claim (``Policy.noProxy``): the calls here are plain ``curl``, no ``--noproxy``.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class Stack:
     fingerprint: str
     site: LocalSite
     service: ServiceProcess
+    #: A loopback web server the allow list does not name: never reached.
+    unlisted: LocalSite
 
     @property
     def home(self) -> Path:
@@ -195,6 +200,7 @@ def stack() -> Iterator[Stack]:
     # would make the whole fixture home writable.
     base = Path(tempfile.mkdtemp(prefix="agentsandbox-svc-e2e-", dir="/var/tmp"))
     site = LocalSite()
+    unlisted = LocalSite()
     world = World(base=base, proxyPort=freeLoopbackPort()).build()
     gnupg = world.home / ".gnupg"
     service: ServiceProcess | None = None
@@ -216,12 +222,13 @@ def stack() -> Iterator[Stack]:
         serviceEnv.update(XDG_RUNTIME_DIR=str(runtime), GNUPGHOME=str(gnupg), **{TOKEN_ENV: TOKEN})
         service = ServiceProcess(world.config, serviceEnv, base / "service", gitRoot).start()
         assert service.proxyPort == world.proxyPort
-        yield Stack(world, runtime, gnupg, fingerprint, site, service)
+        yield Stack(world, runtime, gnupg, fingerprint, site, service, unlisted)
     finally:
         if service is not None:
             service.stop()
         stopGpgAgent(gnupg)
         site.close()
+        unlisted.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -258,7 +265,9 @@ def _commands(stack: Stack, label: str, clone: Path) -> dict[str, str]:
     path = f"/{label}-a"
     wait = BRIDGES_UP if label != "run" else ""
     return {
-        "a": f"{wait}curl -sS --noproxy '' http://127.0.0.1:{stack.site.port}{path}",
+        "a": f"{wait}curl -sS http://127.0.0.1:{stack.site.port}{path}",
+        "a-unlisted": f"{wait}curl -sS -i http://127.0.0.1:{stack.unlisted.port}/{label}-a-unlisted",
+        "no-proxy": "echo NO_PROXY=$NO_PROXY no_proxy=$no_proxy",
         "b": f"{wait}curl -sS -i http://{UNLISTED}/{label}-b; curl -sS https://{UNLISTED}/ ; echo rc=$?",
         "env": "env",
         "c": f"{wait}git clone -q https://github.com/o/r {clone} && cat {clone}/README.md && git -C {clone} remote -v",
@@ -431,6 +440,22 @@ def test_a_allowed_local_host_through_our_proxy(stack: Stack, session: Session) 
     forwarded = [r for r in session.audit if r.get("event") == "forward" and r.get("port") == stack.site.port]
     assert forwarded, f"no audit record for 127.0.0.1:{stack.site.port}: {session.audit}"
     assert forwarded[0]["host"] == "127.0.0.1" and forwarded[0]["status"] == 200
+
+
+def test_a_unlisted_loopback_port_refused_by_our_proxy(stack: Stack, session: Session) -> None:
+    text = _text(session, "a-unlisted")
+    port = stack.unlisted.port
+    assert "HTTP/1.1 403" in text, session.describe()
+    assert f"127.0.0.1:{port} is not on the sandbox's allow list" in text and "sandbox.domains" in text, session.describe()
+    assert stack.unlisted.paths == []
+    refused = [r for r in session.audit if r.get("event") == "refused" and r.get("port") == port]
+    assert refused and refused[0]["host"] == "127.0.0.1", session.audit
+
+
+def test_a_no_proxy_narrowed_inside_the_sandbox(session: Session) -> None:
+    # 127.0.0.1 is claimed by the allow list; localhost and ::1 stay direct, for
+    # servers the command runs inside its own network namespace.
+    assert "NO_PROXY=localhost,::1 no_proxy=localhost,::1" in _text(session, "no-proxy"), session.describe()
 
 
 def test_b_unlisted_host_refused_by_our_proxy(session: Session) -> None:

@@ -194,8 +194,13 @@ def readOnlySite() -> Iterator[Site]:
     yield from _site(asNobody=True, readOnly=True)
 
 
+#: What the service's own log never shows at the default level: Twisted's factory
+#: start/stop lines and object reprs (addresses are written HOST:PORT).
+NOISE = re.compile(r"Starting factory|Stopping factory| object at 0x|IPv4Address|IPv6Address")
+
+
 def serves(site: Site, service: ServiceProcess) -> str:
-    """Show the service working (allowed, refused, ping), stop it; its log."""
+    """Show the service working (allowed, refused, ping, status), stop it; its log."""
     try:
         port = service.proxyPort()
         service.brokerServing()
@@ -204,12 +209,22 @@ def serves(site: Site, service: ServiceProcess) -> str:
         status, body = site.curl(port, "http://example.org/")
         assert status == 403 and "example.org" in body, (status, body)
         site.ping()
+        shown = subprocess.run(
+            [*site.prefix(), sys.executable, "-m", "agentsandbox", "status", "--config", site.config],
+            env=site.env(), capture_output=True, text=True, timeout=60, cwd=site.dirs.home,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert any(line.split() == ["listening", f"127.0.0.1:{port}"] for line in shown.stdout.splitlines()), shown.stdout
+        assert not re.search(r'[{}"]|Address\(', shown.stdout), shown.stdout
+        assert f"egress proxy listening on 127.0.0.1:{port}\n" in service.output()
         seconds = service.terminate(bound=30.0)
         # twistd ends by re-raising the SIGTERM it handled (systemd counts that as
         # a clean stop); serve returns 0.
         assert service.proc.returncode in (0, -signal.SIGTERM), service.output()
         print(f"{service.argv}: stopped {seconds:.2f}s after SIGTERM")
-        return service.output()
+        output = service.output()
+        assert not [line for line in output.splitlines() if NOISE.search(line)], output
+        return output
     finally:
         service.kill()
 

@@ -525,6 +525,8 @@ class EgressProxyFactory(Factory):
 
     log = Logger(namespace="agentsandbox.egress")
     protocol = FrontDoor  # type: ignore[assignment]
+    #: No "Starting factory <...>" lines: the service says where it listens itself.
+    noisy = False
 
     def __init__(
         self,
@@ -902,6 +904,14 @@ class EgressProxyFactory(Factory):
         return result
 
 
+def hostPort(address: Any) -> str:
+    """A Twisted address as people write it: ``127.0.0.1:3190``, ``[::1]:3190``."""
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return str(address)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ProxyService(Service):
     """Listens on ``proxy.listen`` (default ``tcp:PORT:interface=127.0.0.1``) with the factory."""
 
@@ -932,10 +942,17 @@ class ProxyService(Service):
 
         def listening(port: IListeningPort) -> IListeningPort:
             self.port = port
-            self.log.info("egress proxy listening on {where}", where=port.getHost())
+            self.log.info("egress proxy listening on {where}", where=self.address)
             return port
 
         self.listening = d.addCallback(listening)
+
+    @property
+    def address(self) -> str | None:
+        """Where the proxy listens, as ``HOST:PORT`` (``[V6]:PORT``); None while it does not."""
+        if self.port is None:
+            return None
+        return hostPort(self.port.getHost())
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()

@@ -25,7 +25,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
-_LISTENING = re.compile(r"egress proxy listening on .*?port=(\d+)")
+_LISTENING = re.compile(r"egress proxy listening on \S*:(\d+)$", re.MULTILINE)
 _BROKER = re.compile(r"broker serving (\S+)")
 
 #: setpriv's arguments to become ``nobody`` with no supplementary groups.
