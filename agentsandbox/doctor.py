@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 from agentsandbox.config import Config, ConfigError, InjectRule, load
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
+from agentsandbox.probes import Runner, askBroker, connectTCP, firstLine, listenerUids, systemRunner
 
 OK = "ok"
 FAIL = "FAIL"
@@ -38,9 +38,6 @@ UNKNOWN = "unknown"
 
 #: The first Claude Code release known to honour a hook's ``onFailure: "block"``.
 ON_FAILURE_VERSION = (2, 1, 332)
-
-#: How long the broker gets to answer before doctor says it does not.
-BROKER_TIMEOUT = 3.0
 
 SERVICE_FIX = (
     "start the service: `systemctl --user enable --now agentsandbox` (after `agentsandbox "
@@ -65,41 +62,8 @@ class Check:
         return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix}
 
 
-#: Runs argv and returns the completed process (stdout and stderr as text).
-Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
-
-
-def systemRunner(
-    environ: Mapping[str, str] | None = None, timeout: float = 60.0
-) -> Runner:
-    """A runner for real programs; a missing program is exit status 127, a hang 124."""
-    env = dict(os.environ if environ is None else environ)
-
-    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        try:
-            return subprocess.run(
-                list(argv), capture_output=True, text=True, env=env, timeout=timeout,
-                stdin=subprocess.DEVNULL,
-            )
-        except FileNotFoundError:
-            return subprocess.CompletedProcess(list(argv), 127, "", f"{argv[0]}: not found")
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(list(argv), 124, "", f"{argv[0]}: no answer in {timeout:g}s")
-        except OSError as e:
-            return subprocess.CompletedProcess(list(argv), 126, "", f"{argv[0]}: {e.strerror or e}")
-
-    return run
-
-
-def _firstLine(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def _why(p: subprocess.CompletedProcess[str]) -> str:
-    said = _firstLine(p.stderr) or _firstLine(p.stdout)
+    said = firstLine(p.stderr) or firstLine(p.stdout)
     return f"exit status {p.returncode}" + (f": {said}" if said else "")
 
 
@@ -123,7 +87,7 @@ def checkTool(name: str, which: Callable[[str], str | None], runner: Runner) -> 
     p = runner([found, *versionArgs])
     if p.returncode != 0:
         return Check(name, FAIL, f"{found} does not run ({_why(p)})", f"reinstall it: {fix}")
-    version = _firstLine(p.stdout) or _firstLine(p.stderr)
+    version = firstLine(p.stdout) or firstLine(p.stderr)
     return Check(name, OK, f"{found}: {version}")
 
 
@@ -250,14 +214,6 @@ def checkClaude(claude: str | None, runner: Runner) -> Check:
 # --------------------------------------------------------------------------- the service
 
 
-def askBroker(spool: str, op: str, timeout: float = BROKER_TIMEOUT) -> bytes:
-    """The broker's answer to ``op`` (its output).  Raises BrokerError or OSError."""
-    from agentsandbox.broker import client
-    from agentsandbox.broker.spool import Request
-
-    return client.call(Request(op=op), spool, timeout).out
-
-
 def checkBroker(
     spool: str, ask: Callable[[str, str], bytes] = askBroker
 ) -> tuple[Check, dict[str, Any] | None]:
@@ -277,15 +233,6 @@ def checkBroker(
     return Check("broker", OK, f"answers in {spool} (pid {report.get('pid', '?')})"), report
 
 
-def connectTCP(port: int, timeout: float = 2.0) -> str | None:
-    """None when 127.0.0.1:``port`` accepts a connection, else why not (no byte is sent)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
-            return None
-    except OSError as e:
-        return e.strerror or str(e)
-
-
 def checkProxy(port: int, connect: Callable[[int], str | None] = connectTCP) -> Check:
     why = connect(port)
     if why is not None:
@@ -293,30 +240,6 @@ def checkProxy(port: int, connect: Callable[[int], str | None] = connectTCP) -> 
             "egress proxy", FAIL, f"nothing accepts on 127.0.0.1:{port} (proxy.port): {why}", SERVICE_FIX
         )
     return Check("egress proxy", OK, f"accepts on 127.0.0.1:{port}")
-
-
-_LISTEN = "0A"
-
-
-def listenerUids(port: int, procDir: str = "/proc") -> set[int]:
-    """The uids owning a listening TCP socket on ``port`` (any local address)."""
-    uids: set[int] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(os.path.join(procDir, "net", table), encoding="ascii") as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8 or fields[3] != _LISTEN:
-                continue
-            try:
-                if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    uids.add(int(fields[7]))
-            except (IndexError, ValueError):
-                continue
-    return uids
 
 
 def checkSameUser(

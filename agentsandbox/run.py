@@ -33,7 +33,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 from agentsandbox import srt
 from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.policy import Policy, resolve, under
+from agentsandbox.probes import brokerAnswers, connectTCP, proxyOwner
 
 #: ``agentsandbox run`` refused to start the command: the policy could not be enforced.
 EX_UNENFORCED = 125
@@ -59,11 +59,6 @@ REQUIRED_TOOLS: tuple[tuple[str, str], ...] = (
     ("socat", "apt-get install socat"),
     ("rg", "apt-get install ripgrep"),
 )
-
-#: How long the broker gets to answer the ping before the service counts as down.
-PING_TIMEOUT = 3.0
-#: How long the proxy port gets to accept a connection.
-CONNECT_TIMEOUT = 2.0
 
 SERVICE_FIX = (
     "start the service: `systemctl --user start agentsandbox` (after `agentsandbox setup`), "
@@ -216,53 +211,11 @@ def missingTools(
     return problems
 
 
-def proxyAnswers(port: int, timeout: float = CONNECT_TIMEOUT) -> str | None:
-    """None when something accepts a TCP connection on 127.0.0.1:``port``, else why not.
-
-    A connection closed before any byte is sent is not a request: the proxy
-    records nothing for it.
-    """
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
-            return None
-    except OSError as e:
-        return e.strerror or str(e)
-
-
-def proxyOwner(port: int, procDir: str = "/proc") -> str | None:
-    """None unless another user holds the listening socket on ``port``, else who does.
-
-    When the service is down, any local user may listen on the proxy port and
-    would then see every connection the command makes: refuse that.
-    """
-    from agentsandbox.doctor import listenerUids
-
-    owners = listenerUids(port, procDir)
-    me = os.getuid()
-    if not owners or owners == {me}:
-        return None
-    return f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not by this user (uid {me})"
-
-
-def brokerAnswers(spool: str, timeout: float = PING_TIMEOUT) -> str | None:
-    """None when the broker answers a ping in ``spool``, else why not."""
-    from agentsandbox.broker import client
-    from agentsandbox.broker.spool import Request
-
-    try:
-        client.call(Request(op="ping"), spool, timeout)
-    except client.BrokerError as e:
-        return str(e)
-    except OSError as e:
-        return f"cannot use the spool {spool}: {e.strerror or e}"
-    return None
-
-
 def enforcementProblems(
     config: Config,
     searchPath: str | None,
     which: Callable[..., str | None] = shutil.which,
-    proxyCheck: Callable[[int], str | None] = proxyAnswers,
+    proxyCheck: Callable[[int], str | None] = connectTCP,
     brokerCheck: Callable[[str], str | None] = brokerAnswers,
     ownerCheck: Callable[[int], str | None] = proxyOwner,
 ) -> list[Problem]:

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from agentsandbox.config import Config, ConfigError, load
-from agentsandbox.doctor import Runner, systemRunner
 from agentsandbox.files import atomicWrite
 from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, managedDir
 from agentsandbox.policy import Policy, executable
+from agentsandbox.probes import Runner, firstLine, systemRunner
 
 SERVICE = "agentsandbox.service"
 SOCKET = "agentsandbox.socket"
@@ -196,6 +196,12 @@ def _makeDirs(path: str, record: Record, mode: int = 0o755) -> None:
             record.dirs.append(d)
 
 
+def systemctl(runner: Runner, *args: str) -> tuple[bool, str]:
+    """``systemctl --user ARGS``: whether it succeeded, and the first thing it said."""
+    p = runner(["systemctl", "--user", *args])
+    return p.returncode == 0, firstLine(p.stderr) or firstLine(p.stdout) or f"exit status {p.returncode}"
+
+
 # --------------------------------------------------------------------------- setup
 
 
@@ -291,9 +297,7 @@ class Setup:
         return wanted
 
     def systemctl(self, *args: str) -> tuple[bool, str]:
-        p = self.runner(["systemctl", "--user", *args])
-        said = (p.stderr or p.stdout).strip().splitlines()
-        return p.returncode == 0, said[0] if said else f"exit status {p.returncode}"
+        return systemctl(self.runner, *args)
 
     def enable(self, units: list[str]) -> None:
         ok, why = self.systemctl("daemon-reload")
@@ -441,9 +445,7 @@ class Uninstall:
     def systemctl(self, *args: str) -> tuple[bool, str]:
         if shutil.which("systemctl", path=self.environ.get("PATH")) is None:
             return False, "systemctl is not on the PATH"
-        p = self.runner(["systemctl", "--user", *args])
-        said = (p.stderr or p.stdout).strip().splitlines()
-        return p.returncode == 0, said[0] if said else f"exit status {p.returncode}"
+        return systemctl(self.runner, *args)
 
     def run(self) -> bool:
         """Undo the record; True when nothing of it is left."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from agentsandbox import claude, doctor
+from agentsandbox import claude, doctor, probes
 from tests.conftest import REPO, User
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
@@ -35,7 +35,7 @@ def script(directory: Path, name: str, body: str) -> str:
     return str(path)
 
 
-RUN = doctor.systemRunner()
+RUN = probes.systemRunner()
 
 
 def which(name: str) -> str | None:
@@ -211,7 +211,7 @@ def test_a_broker_that_answers_passes_and_reports_its_figures(broker: str) -> No
 
 def test_no_broker_fails_with_the_fix(user: User) -> None:
     spool = str(user.home / ".local/state/agentsandbox/spool")
-    c, report = doctor.checkBroker(spool, lambda s, op: doctor.askBroker(s, op, timeout=0.3))
+    c, report = doctor.checkBroker(spool, lambda s, op: probes.askBroker(s, op, timeout=0.3))
     assert c.status == doctor.FAIL and report is None
     assert "no agentsandbox broker answered" in c.detail
     assert c.fix == doctor.SERVICE_FIX
@@ -233,7 +233,7 @@ def test_same_user_for_the_proxy_listener_and_the_broker() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        assert doctor.listenerUids(port) == {os.getuid()}
+        assert probes.listenerUids(port) == {os.getuid()}
         assert doctor.checkSameUser(port, os.getpid()).status == doctor.OK
         other = os.getuid() + 4242
         c = doctor.checkSameUser(port, os.getpid(), uid=other)
@@ -256,7 +256,7 @@ def test_same_user_reads_a_socket_table(tmp_path: Path) -> None:
         + "   1: 0100007F:0C76 0100007F:9999 01 00000000:00000000 00:00000000 00000000  1000        0 2\n"
     )
     (net / "tcp6").write_text(header)
-    assert doctor.listenerUids(0x0C76, str(tmp_path)) == {999}
+    assert probes.listenerUids(0x0C76, str(tmp_path)) == {999}
     c = doctor.checkSameUser(0x0C76, 77, uid=999, procDir=str(tmp_path))
     assert c.status == (doctor.OK if os.stat(tmp_path / "77").st_uid == 999 else doctor.FAIL)
     c = doctor.checkSameUser(0x0C76, 78, uid=1000, procDir=str(tmp_path))

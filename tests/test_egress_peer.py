@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import pathlib
 import shutil
@@ -14,7 +13,7 @@ from twisted.internet.protocol import Factory
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
 
-from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, ownerOf, parseProcAddress
+from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, ownerOf
 from tests.support.egress_fixtures import (
     CURL,
     Echo,
@@ -28,17 +27,6 @@ from tests.support.egress_fixtures import (
 )
 
 LITTLE = sys.byteorder == "little"
-
-
-@pytest.mark.skipif(not LITTLE, reason="the fixtures below are written in little-endian word order")
-def test_parseProcAddressWordOrder() -> None:
-    assert parseProcAddress("0100007F:1F90") == (ipaddress.ip_address("127.0.0.1"), 8080)
-    # ::1 is stored as four host-order words: the last one holds 0x00000001
-    assert parseProcAddress("00000000000000000000000001000000:0050") == (ipaddress.ip_address("::1"), 80)
-    # 2001:db8::1 -> words 20010db8, 0, 0, 00000001 each stored little-endian
-    assert parseProcAddress("B80D0120000000000000000001000000:01BB") == (ipaddress.ip_address("2001:db8::1"), 443)
-    # an IPv4-mapped client of a dual-stack listener
-    assert parseProcAddress("0000000000000000FFFF00000100007F:1F90")[0] == ipaddress.ip_address("::ffff:127.0.0.1")
 
 
 TABLE = """\

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from agentsandbox import probes
 from agentsandbox import run as runModule
 from agentsandbox.config import loads
 from agentsandbox.paths import Paths
@@ -432,7 +433,7 @@ def test_refuses_a_proxy_port_held_by_another_user(idle: Host) -> None:
     )
     try:
         assert squatter.stdout is not None and squatter.stdout.readline() == "up\n"
-        assert "uid 65534" in (runModule.proxyOwner(idle.port) or "")
+        assert "uid 65534" in (probes.proxyOwner(idle.port) or "")
         p = idle.run("--", "true")
     finally:
         squatter.kill()
@@ -448,10 +449,10 @@ def test_the_owner_check_reads_the_socket_table(tmp_path: Path) -> None:
     header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
     row = "   0: 0100007F:0C76 00000000:0000 0A 00000000:00000000 00:00000000 00000000 {uid:>5}        0 1\n"
     (net / "tcp").write_text(header + row.format(uid=os.getuid()))
-    assert runModule.proxyOwner(0x0C76, str(tmp_path)) is None
+    assert probes.proxyOwner(0x0C76, str(tmp_path)) is None
     (net / "tcp").write_text(header + row.format(uid=os.getuid() + 7))
-    assert f"held by uid {os.getuid() + 7}" in (runModule.proxyOwner(0x0C76, str(tmp_path)) or "")
-    assert runModule.proxyOwner(0x0C77, str(tmp_path)) is None  # nobody listens: the connect check says so
+    assert f"held by uid {os.getuid() + 7}" in (probes.proxyOwner(0x0C76, str(tmp_path)) or "")
+    assert probes.proxyOwner(0x0C77, str(tmp_path)) is None  # nobody listens: the connect check says so
 
 
 def test_refuses_when_run_env_drops_path(served: Host, tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ import pytest
 
 from agentsandbox import setup as setupModule
 from agentsandbox.config import loads
-from agentsandbox.doctor import systemRunner
 from agentsandbox.paths import Paths
+from agentsandbox.probes import systemRunner
 from tests.conftest import REPO, User
 
 FAKE_SYSTEMCTL = """\

@@ -4,7 +4,9 @@ TCP has no ``SO_PEERCRED``, so the owner of the client's socket is read from
 the kernel's socket tables, ``/proc/net/tcp`` and ``/proc/net/tcp6``: the row
 whose local address is the client's address and whose remote address is ours
 carries the owning uid.  Addresses there are hex, stored in host byte order per
-32-bit word (each 4-byte group reversed on little-endian machines).
+32-bit word (each 4-byte group reversed on little-endian machines); the one
+parser of those rows is ``agentsandbox.probes.SocketRow``, which doctor and
+``run`` read the listeners with.
 
 Reading those tables costs the kernel a walk of its whole connection hash
 (3.5 ms per read measured here, with four sockets open), which would cap the
@@ -27,24 +29,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from agentsandbox.egress.rules import IPAddress, unwrapMapped
+from agentsandbox.probes import readTable, socketRows
 
 
 class PeerChecker(Protocol):
     """Returns None when the peer may use the proxy, else the reason it may not."""
 
     def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None: ...
-
-
-def parseProcAddress(text: str) -> tuple[IPAddress, int]:
-    """``0100007F:1F90`` -> (127.0.0.1, 8080); IPv6 works the same, word by word."""
-    hexIP, _, hexPort = text.partition(":")
-    raw = bytes.fromhex(hexIP)
-    if len(raw) not in (4, 16):
-        raise ValueError(f"{text!r} is not an address from a socket table")
-    words = b"".join(
-        int.from_bytes(raw[i : i + 4], sys.byteorder).to_bytes(4, "big") for i in range(0, len(raw), 4)
-    )
-    return ipaddress.ip_address(words), int(hexPort, 16)
 
 
 def _same(a: tuple[IPAddress, int], b: tuple[str, int]) -> bool:
@@ -60,18 +51,9 @@ def ownerOf(
 ) -> int | None:
     """The uid owning the client's end of the connection client -> server, or None."""
     for table in tables:
-        for line in table.splitlines():
-            fields = line.split()
-            if len(fields) < 8 or fields[0] == "sl":
-                continue
-            try:
-                local = parseProcAddress(fields[1])
-                remote = parseProcAddress(fields[2])
-                uid = int(fields[7])
-            except ValueError:
-                continue
-            if _same(local, client) and _same(remote, server):
-                return uid
+        for row in socketRows(table):
+            if _same(row.local, client) and _same(row.remote, server):
+                return row.uid
     return None
 
 
@@ -163,20 +145,13 @@ class ProcNetPeers:
     def _uid(self) -> int:
         return os.getuid() if self.uid < 0 else self.uid
 
-    def _read(self, name: str) -> str | None:
-        try:
-            with open(os.path.join(self.procDir, "net", name), encoding="ascii") as f:
-                return f.read()
-        except OSError:
-            return None
-
     def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
         # A client on an IPv4 address is in tcp; tcp6 holds IPv6 and the
         # IPv4-mapped sockets of dual-stack listeners, so read it only if needed.
         names = ("tcp", "tcp6") if ":" not in client[0] else ("tcp6",)
         found = False
         for name in names:
-            table = self._read(name)
+            table = readTable(name, self.procDir)
             if table is None:
                 continue
             found = True
