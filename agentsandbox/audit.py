@@ -211,25 +211,24 @@ def _isoTime(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-def _auditPath(args: argparse.Namespace) -> str:
+def _auditPath(name: str, args: argparse.Namespace) -> str:
     if args.file:
         return str(args.file)
-    from agentsandbox.config import ConfigError, load
+    from agentsandbox.cli import loadConfig
 
-    try:
-        return load(args.config).audit.file
-    except ConfigError as e:
-        raise SystemExit(f"agentsandbox: {e}") from None
+    return loadConfig(name, args.config).audit.file
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="the config file (default: the usual lookup)")
-    parser.add_argument("--file", help="read this audit file instead of the config's audit.file")
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    from agentsandbox.cli import parser
+
+    p = parser(name, description)
+    p.add_argument("--file", help="read this audit file instead of the config's audit.file")
+    return p
 
 
 def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
-    parser = argparse.ArgumentParser(prog="agentsandbox log", description="Show the egress decision log.")
-    _common(parser)
+    parser = _parser("log", "Show the egress decision log.")
     parser.add_argument("--denied", action="store_true", help="only refusals")
     parser.add_argument("--since", help="only records newer than DURATION (30s, 10m, 2h, 7d)")
     parser.add_argument("--json", action="store_true", help="print the JSON records")
@@ -238,7 +237,7 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
         since = now() - parseDuration(args.since) if args.since else None
     except ValueError as e:
         parser.error(str(e))
-    for rec in readRecords(_auditPath(args)):
+    for rec in readRecords(_auditPath("log", args)):
         if since is not None and rec["ts"] < since:
             continue
         if args.denied and rec.get("event") not in ("refused", "peer", "parse"):
@@ -274,18 +273,14 @@ def suggestions(records: Iterator[dict[str, Any]], since: float | None) -> dict[
 
 
 def suggestMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox suggest",
-        description="Print the sandbox.domains entries that would allow recently refused hosts.",
-    )
-    _common(parser)
+    parser = _parser("suggest", "Print the sandbox.domains entries that would allow recently refused hosts.")
     parser.add_argument("--since", default="1d", help="look back this far (default 1d)")
     args = parser.parse_args(argv)
     try:
         since = now() - parseDuration(args.since)
     except ValueError as e:
         parser.error(str(e))
-    found = suggestions(readRecords(_auditPath(args)), since)
+    found = suggestions(readRecords(_auditPath("suggest", args)), since)
     if not found:
         print(f"# no refusals in the last {args.since}", file=sys.stderr)
         return 0

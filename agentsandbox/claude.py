@@ -11,11 +11,9 @@ Stdlib only: the SessionStart hook renders it to check for drift.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -225,20 +223,12 @@ def install(policy: Policy, managed: str | None = None, stage: str | None = None
 
 
 def installMain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox install",
-        description="Install the Claude Code managed-settings drop-in rendered from the config.",
-    )
-    parser.add_argument("--config", help="config file (default: the usual lookup)")
-    parser.add_argument("--managed-dir", default=None, help=f"managed-settings root (default {managedDir()})")
-    args = parser.parse_args(argv)
-    from agentsandbox.config import ConfigError, load
+    from agentsandbox.cli import loadConfig, parser
 
-    try:
-        config = load(args.config)
-    except ConfigError as e:
-        print(f"agentsandbox: {e}", file=sys.stderr)
-        return 1
+    p = parser("install", "Install the Claude Code managed-settings drop-in rendered from the config.")
+    p.add_argument("--managed-dir", default=None, help=f"managed-settings root (default {managedDir()})")
+    args = p.parse_args(argv)
+    config = loadConfig("install", args.config)
     policy = Policy.fromConfig(config)
     policy.mountPoints()
     result = install(policy, args.managed_dir, stage=os.path.join(config.paths.stateDir, "staged"))

@@ -1,17 +1,37 @@
-"""``agentsandbox`` subcommands.
+"""``agentsandbox`` subcommands, and the preamble they share.
 
 Each subcommand lives in the module that owns its contract and exposes
-``main(argv) -> int``; this file only maps names to modules and imports the one
+``main(argv) -> int``; this file maps names to modules and imports the one
 asked for, so ``agentsandbox hook pretooluse`` or ``agentsandbox gpg`` never pay
-for Twisted.
+for Twisted or for the other subcommands.
+
+It also owns the preamble of every subcommand that reads the config:
+``parser`` (``agentsandbox NAME`` with ``--config``) and ``loadConfig``, which
+prints ``agentsandbox NAME: FILE: KEY: WHY`` and exits ``EXIT_CONFIG`` when the
+config cannot be used.  Both import what they need when called.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 from agentsandbox import __version__
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Mapping
+
+    from agentsandbox.config import Config
+
+#: The exit status of every subcommand whose config cannot be used (and of a
+#: usage error, as argparse gives): nothing was done, and the message names the
+#: file and the key.  ``doctor`` gives it too, after reporting every check.
+EXIT_CONFIG = 2
+
+CONFIG_HELP = "config file (default: $AGENTSANDBOX_CONFIG, the user's, the system's, built-in)"
+EXIT_NOTE = f"Exit status {EXIT_CONFIG} when the arguments or the config cannot be used (nothing was done)."
 
 #: name -> (module, function, one line of help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -50,8 +70,41 @@ def usage() -> str:
         "commands:",
     ]
     lines += [f"  {name.ljust(width)}  {help}" for name, (_, _, help) in COMMANDS.items()]
-    lines += ["", "'agentsandbox COMMAND --help' shows a command's options."]
+    lines += [
+        "",
+        "'agentsandbox COMMAND --help' shows a command's options.",
+        f"exit status: {EXIT_CONFIG} when the arguments or the config cannot be used (the message",
+        "names the file and the key, and nothing was done); otherwise as COMMAND --help says.",
+    ]
     return "\n".join(lines)
+
+
+def parser(name: str, description: str, *, config: bool = True) -> argparse.ArgumentParser:
+    """The parser of ``agentsandbox NAME``, with ``--config`` unless ``config`` is False."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog=f"agentsandbox {name}", description=description, epilog=EXIT_NOTE if config else None
+    )
+    if config:
+        p.add_argument("--config", help=CONFIG_HELP)
+    return p
+
+
+def loadConfig(name: str, path: str | None, environ: Mapping[str, str] | None = None) -> Config:
+    """The config at ``path`` (None: the usual lookup) for ``agentsandbox NAME``.
+
+    A config that cannot be used is said once, ``agentsandbox NAME: FILE: KEY:
+    WHY``, and ends the command with ``EXIT_CONFIG``, as argparse ends it on a
+    usage error.
+    """
+    from agentsandbox.config import ConfigError, load
+
+    try:
+        return load(path, environ)
+    except ConfigError as e:
+        print(f"agentsandbox {name}: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,31 +9,16 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.cli import loadConfig, parser
+from agentsandbox.config import Config
 from agentsandbox.policy import Policy
 
 
-def _load(path: str | None) -> Config | None:
-    try:
-        return load(path)
-    except ConfigError as e:
-        print(f"agentsandbox: {e}", file=sys.stderr)
-        return None
-
-
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"agentsandbox {prog}", description=description)
-    p.add_argument("--config", help="config file (default: the usual lookup)")
-    return p
-
-
 def configMain(argv: list[str]) -> int:
-    p = _parser("config", "Print the effective config and the file it came from.")
+    p = parser("config", "Print the effective config and the file it came from.")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
-    config = _load(args.config)
-    if config is None:
-        return 1
+    config = loadConfig("config", args.config)
     data: dict[str, Any] = asdict(config)
     data.pop("paths")
     if args.json:
@@ -59,12 +44,10 @@ def configMain(argv: list[str]) -> int:
 
 
 def renderMain(argv: list[str]) -> int:
-    p = _parser("render", "Print a file rendered from the policy.")
+    p = parser("render", "Print a file rendered from the policy.")
     p.add_argument("what", choices=["claude", "srt"], help="claude: the managed-settings drop-in; srt: srt settings")
     args = p.parse_args(argv)
-    config = _load(args.config)
-    if config is None:
-        return 1
+    config = loadConfig("render", args.config)
     policy = Policy.fromConfig(config)
     if args.what == "claude":
         from agentsandbox import claude
@@ -78,7 +61,7 @@ def renderMain(argv: list[str]) -> int:
 
 
 def checkMain(argv: list[str]) -> int:
-    p = _parser("check", "Explain a decision: may a session read or write a path, or reach a host?")
+    p = parser("check", "Explain a decision: may a session read or write a path, or reach a host?")
     sub = p.add_subparsers(dest="kind", required=True)
     # --config is also accepted after the subcommand, where people type it.
     common = argparse.ArgumentParser(add_help=False)
@@ -91,9 +74,7 @@ def checkMain(argv: list[str]) -> int:
     h.add_argument("target")
     h.add_argument("--resolve", action="store_true", help="resolve the name and decide each address too")
     args = p.parse_args(argv)
-    config = _load(args.config)
-    if config is None:
-        return 2
+    config = loadConfig("check", args.config)
     if args.kind in ("read", "write"):
         policy = Policy.fromConfig(config)
         why = (policy.whyReadable if args.kind == "read" else policy.whyWritable)(args.path, args.cwd)

@@ -14,7 +14,6 @@ figures, token state), as a table or ``--json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentsandbox import cli
 from agentsandbox.config import Config, ConfigError, InjectRule, load
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
@@ -139,13 +139,15 @@ def checkSrtWorks(srt: str | None, runner: Runner, scratch: str | None = None) -
 
 # --------------------------------------------------------------------------- Claude Code
 
+CONFIG_CHECK = "config"
+
 
 def checkConfig(configPath: str | None, environ: Mapping[str, str]) -> tuple[Check, Config | None]:
     try:
         config = load(configPath, environ)
     except ConfigError as e:
-        return Check("config", FAIL, str(e), f"fix {e.source} (key {e.key or '-'})"), None
-    return Check("config", OK, config.source), config
+        return Check(CONFIG_CHECK, FAIL, str(e), f"fix {e.source} (key {e.key or '-'})"), None
+    return Check(CONFIG_CHECK, OK, config.source), config
 
 
 def checkDropIn(policy: Policy, managed: str | None = None) -> Check:
@@ -446,13 +448,13 @@ def report(checks: Sequence[Check]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox doctor",
-        description="Check that everything the policy needs is in place: the sandbox tools, "
+    parser = cli.parser(
+        "doctor",
+        "Check that everything the policy needs is in place: the sandbox tools, "
         "the Claude Code drop-in, the service, the tokens, the CA bundle, Claude Code's "
-        "version.  Exit status 0 when no check failed, 1 otherwise.",
+        f"version.  Exit status 0 when no check failed, {cli.EXIT_CONFIG} when the config "
+        "cannot be used (after every other check), 1 when another check failed.",
     )
-    parser.add_argument("--config", help="config file (default: the usual lookup)")
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     parser.add_argument("--managed-dir", help="Claude Code's managed-settings root (default: the system one)")
     args = parser.parse_args(argv)
@@ -463,6 +465,13 @@ def main(argv: list[str]) -> int:
         print(json.dumps([c.asDict() for c in checks], indent=2))
     else:
         sys.stdout.write(report(checks))
+    return exitStatus(checks)
+
+
+def exitStatus(checks: Sequence[Check]) -> int:
+    """0 when nothing failed; the config error's status when the config failed; else 1."""
+    if any(c.name == CONFIG_CHECK and c.failed for c in checks):
+        return cli.EXIT_CONFIG
     return 1 if any(c.failed for c in checks) else 0
 
 
@@ -561,21 +570,16 @@ def _describeToken(t: Any) -> str:
 
 
 def statusMain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox status",
-        description="Show the running service's figures (the broker's status op): requests "
+    parser = cli.parser(
+        "status",
+        "Show the running service's figures (the broker's status op): requests "
         "per op, uptime, proxy figures and token state.",
     )
-    parser.add_argument("--config", help="config file (default: the usual lookup)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     args = parser.parse_args(argv)
     from agentsandbox.broker.client import BrokerError
 
-    try:
-        config = load(args.config)
-    except ConfigError as e:
-        print(f"agentsandbox status: {e}", file=sys.stderr)
-        return 2
+    config = cli.loadConfig("status", args.config)
     try:
         raw = askBroker(config.broker.spool, "status")
         data = json.loads(raw)

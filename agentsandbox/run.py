@@ -42,15 +42,15 @@ from fnmatch import fnmatchcase
 from types import FrameType
 from typing import Any
 
-from agentsandbox import srt
-from agentsandbox.config import Config, ConfigError, load
+from agentsandbox import cli, srt
+from agentsandbox.config import Config
 from agentsandbox.policy import Policy, resolve, under
 from agentsandbox.probes import brokerAnswers, connectTCP, proxyOwner
 
 #: ``agentsandbox run`` refused to start the command: the policy could not be enforced.
 EX_UNENFORCED = 125
-#: A usage or config error: nothing was started.
-EX_USAGE = 2
+#: A usage or config error: nothing was started (``agentsandbox.cli.EXIT_CONFIG``).
+EX_USAGE = cli.EXIT_CONFIG
 
 #: The programs srt needs on the PATH (srt itself, and what it drives on Linux).
 REQUIRED_TOOLS: tuple[tuple[str, str], ...] = (
@@ -328,14 +328,13 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox run",
-        description="Run any command (an agent, a shell) under srt with the policy's filesystem "
+    parser = cli.parser(
+        "run",
+        "Run any command (an agent, a shell) under srt with the policy's filesystem "
         "lists, the network through the agentsandbox proxy, and a deny-by-default "
         "environment.  The command's exit status is passed through; 125 means agentsandbox "
         "refused to start it because the policy could not be enforced.",
     )
-    parser.add_argument("--config", help="config file (default: the usual lookup)")
     parser.add_argument(
         "--print",
         dest="printOnly",
@@ -365,11 +364,7 @@ def run(
     if inSandbox(environ):
         _say("already inside a sandbox (SANDBOX_RUNTIME=1); run it on the host")
         return EX_UNENFORCED
-    try:
-        config = load(configPath, environ)
-    except ConfigError as e:
-        _say(str(e))
-        return EX_USAGE
+    config = cli.loadConfig("run", configPath, environ)
     policy = Policy.fromConfig(config, environ)
     settings, notes = settingsFor(policy, cwd)
     env = sandboxEnv(config, policy, environ)

@@ -8,7 +8,6 @@ refused request through the proxy and a broker ping, and serves until Ctrl-C.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
@@ -18,7 +17,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from agentsandbox.config import Config, ConfigError, load, parse
+from agentsandbox import cli
+from agentsandbox.config import Config, parse
 from agentsandbox.paths import Paths
 
 
@@ -96,8 +96,7 @@ def _showDemo(config: Config, upstreamPort: int, reactor: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agentsandbox serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="config file (default: the usual lookup)")
+    parser = cli.parser("serve", __doc__.splitlines()[0])
     parser.add_argument("--demo", action="store_true", help="run on the built-in defaults in a throwaway state dir and show it working")
     args = parser.parse_args(argv)
 
@@ -109,11 +108,7 @@ def main(argv: list[str]) -> int:
             config, env, upstream = _demoConfig(base)
             configPath = None
         else:
-            try:
-                config = load(args.config)
-            except ConfigError as e:
-                print(f"agentsandbox: {e}", file=sys.stderr)
-                return 1
+            config = cli.loadConfig("serve", args.config)
             configPath = None if config.source.startswith("<") else config.source
         return _run(config, configPath, env, upstream)
     finally:

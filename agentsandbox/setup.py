@@ -21,7 +21,6 @@ never touches anything setup did not write.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import json
@@ -33,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
+from agentsandbox import cli
 from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.files import atomicWrite
 from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, managedDir
@@ -57,7 +57,11 @@ SOCKET_LISTEN = "systemd:domain=INET:index=0"
 
 
 class SetupError(Exception):
-    """Setup cannot go on; the message says why and what to do."""
+    """Setup cannot go on; the message says why and what to do, ``status`` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # --------------------------------------------------------------------------- files we ship
@@ -263,7 +267,7 @@ class Setup:
         try:
             config = load(None, self.environ)
         except ConfigError as e:
-            raise SetupError(f"the config cannot be used: {e}") from None
+            raise SetupError(f"the config cannot be used: {e}", cli.EXIT_CONFIG) from None
         if self.socket and not (config.proxy.listen or "").startswith("systemd:"):
             raise SetupError(
                 f'--socket needs proxy.listen = "{SOCKET_LISTEN}" in {config.source}, so the '
@@ -385,11 +389,13 @@ class Setup:
 
 
 def setupMain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox setup",
-        description="Set up agentsandbox for daily use as this user: a starter config when none "
+    parser = cli.parser(
+        "setup",
+        "Set up agentsandbox for daily use as this user: a starter config when none "
         "exists, the systemd user service, the Claude Code drop-in, then doctor.  Everything "
-        "done is recorded so `agentsandbox uninstall` can undo exactly that.",
+        "done is recorded so `agentsandbox uninstall` can undo exactly that.  Exit status "
+        f"{cli.EXIT_CONFIG} when the config cannot be used, else doctor's.",
+        config=False,
     )
     parser.add_argument(
         "--socket", action="store_true", help="also install agentsandbox.socket (socket activation)"
@@ -415,7 +421,7 @@ def setupMain(argv: list[str]) -> int:
         setup.run()
     except SetupError as e:
         print(f"agentsandbox setup: {e}", file=sys.stderr)
-        return 1
+        return e.status
     print(f"recorded in {setup.recordPath} (`agentsandbox uninstall` undoes it)")
     if args.no_doctor:
         return 0
@@ -426,7 +432,7 @@ def setupMain(argv: list[str]) -> int:
     inputs.managedDir = args.managed_dir
     checks = doctor.diagnose(None, inputs)
     sys.stdout.write(doctor.report(checks))
-    return 1 if any(c.failed for c in checks) else 0
+    return doctor.exitStatus(checks)
 
 
 # --------------------------------------------------------------------------- uninstall
@@ -512,11 +518,12 @@ class Uninstall:
 
 
 def uninstallMain(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox uninstall",
-        description="Undo exactly what `agentsandbox setup` recorded: disable the units it "
+    parser = cli.parser(
+        "uninstall",
+        "Undo exactly what `agentsandbox setup` recorded: disable the units it "
         "enabled, remove the files it wrote (only while unchanged) and the directories it "
         "created (only when empty).",
+        config=False,
     )
     parser.parse_args(argv)
     environ = dict(os.environ)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import __version__
+from agentsandbox.cli import EXIT_CONFIG
 from tests.conftest import REPO, User
 
 
@@ -42,13 +43,61 @@ def test_config_prints_the_effective_config_and_its_file(user: User) -> None:
     assert data["source"] == str(user.configFile)
 
 
-def test_config_errors_exit_1_with_the_key(user: User) -> None:
+def test_config_errors_exit_2_with_the_key(user: User) -> None:
     user.writeConfig("[proxy]\nprot = 1\n")
     p = cli(user, "config")
-    assert p.returncode == 1
-    assert p.stderr == f"agentsandbox: {user.configFile}: proxy.prot: unknown key (a typo here must not weaken the policy)\n"
+    assert p.returncode == EXIT_CONFIG == 2
+    assert p.stderr == (
+        f"agentsandbox config: {user.configFile}: proxy.prot: unknown key (a typo here must not weaken the policy)\n"
+    )
     for args in (("render", "claude"), ("check", "read", "/etc/hosts"), ("install", "--managed-dir", "/nonexistent")):
         assert cli(user, *args).returncode != 0
+
+
+#: Every subcommand that loads the config, with arguments that get it as far as the load.
+LOADS_THE_CONFIG: list[tuple[str, ...]] = [
+    ("config",),
+    ("render", "claude"),
+    ("check", "read", "/etc/hosts"),
+    ("check", "host", "example.org"),
+    ("install", "--managed-dir", "/nonexistent"),
+    ("serve",),
+    ("broker",),
+    ("log",),
+    ("suggest",),
+    ("run", "--", "true"),
+    ("run", "--print"),
+    ("status",),
+    ("doctor", "--json"),
+    ("setup", "--no-doctor"),
+]
+
+
+@pytest.mark.parametrize("args", LOADS_THE_CONFIG, ids=" ".join)
+def test_every_command_that_loads_the_config_exits_2_naming_the_key(user: User, args: tuple[str, ...]) -> None:
+    user.writeConfig("[proxy]\nprot = 1\n")
+    p = cli(user, *args)
+    assert p.returncode == EXIT_CONFIG, (p.stdout, p.stderr)
+    said = p.stdout if args[0] == "doctor" else p.stderr
+    assert f"{user.configFile}: proxy.prot: unknown key" in said
+    if args[0] != "doctor":
+        assert p.stderr.startswith(f"agentsandbox {args[0]}: "), p.stderr
+    # --config names the file the same way
+    other = user.home / "other.toml"
+    other.write_text("[sandbox]\nread = 1\n")
+    if args[0] != "setup":  # setup has no --config: it sets up the usual lookup
+        p = cli(user, args[0], "--config", str(other), *args[1:])
+        assert p.returncode == EXIT_CONFIG, (p.stdout, p.stderr)
+        assert f"{other}: sandbox.read" in (p.stdout if args[0] == "doctor" else p.stderr)
+
+
+def test_the_exit_status_of_a_config_error_is_in_the_help(user: User) -> None:
+    assert "exit status: 2 when the arguments or the config cannot be used" in cli(user, "--help").stdout
+    for name in sorted({args[0] for args in LOADS_THE_CONFIG} - {"setup", "doctor"}):
+        shown = " ".join(cli(user, name, "--help").stdout.split())
+        assert "Exit status 2 when the arguments or the config cannot be used" in shown, name
+    assert "2 when the config cannot be used" in " ".join(cli(user, "doctor", "--help").stdout.split())
+    assert "2 when the config cannot be used" in " ".join(cli(user, "setup", "--help").stdout.split())
 
 
 def test_render_claude_and_srt(user: User) -> None:

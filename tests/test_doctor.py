@@ -407,7 +407,7 @@ def test_doctor_reports_a_broken_config(user: User) -> None:
     user.writeConfig("[proxy]\nprot = 1\n")
     env = dict(user.env, PYTHONPATH=str(REPO))
     p = _cli(env, "doctor", "--json")
-    assert p.returncode == 1
+    assert p.returncode == 2  # the config error's status (agentsandbox.cli.EXIT_CONFIG)
     checks = {c["name"]: c for c in json.loads(p.stdout)}
     assert checks["config"]["status"] == "FAIL"
     assert "proxy.prot: unknown key" in checks["config"]["detail"]

@@ -308,7 +308,7 @@ def test_a_config_named_by_the_environment_is_not_shadowed(machine: Machine, tmp
 def test_a_broken_config_stops_setup_with_the_key(machine: Machine) -> None:
     machine.user.writeConfig("[proxy]\nprot = 1\n")
     p = machine.setup()
-    assert p.returncode == 1
+    assert p.returncode == 2  # the config error's status (agentsandbox.cli.EXIT_CONFIG)
     assert "proxy.prot: unknown key" in p.stderr
     assert not machine.unit.exists()
 

@@ -510,14 +510,13 @@ def cleanLeftovers(spool: str, procDir: str, uid: int) -> int:
 
 def main(argv: list[str]) -> int:
     """``agentsandbox broker [--config FILE] [--poll SECONDS]``: just the broker, in the foreground."""
-    import argparse
+    from agentsandbox import cli
 
-    parser = argparse.ArgumentParser(
-        prog="agentsandbox broker",
-        description="Run only the host broker in the foreground (tests, debugging); "
+    parser = cli.parser(
+        "broker",
+        "Run only the host broker in the foreground (tests, debugging); "
         "`agentsandbox serve` runs the whole app.",
     )
-    parser.add_argument("--config", help="the config file (default: the usual lookup)")
     parser.add_argument(
         "--poll",
         type=float,
@@ -532,13 +531,7 @@ def main(argv: list[str]) -> int:
         return 2
     if args.poll is not None and args.poll <= 0:
         parser.error("--poll must be greater than zero")
-    from agentsandbox import config as configModule
-
-    try:
-        config = configModule.load(args.config)
-    except configModule.ConfigError as e:
-        print(f"agentsandbox broker: {e}", file=sys.stderr)
-        return 2
+    config = cli.loadConfig("broker", args.config)
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
