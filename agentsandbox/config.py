@@ -101,22 +101,67 @@ class ConfigError(Exception):
         self.why = why
 
 
-@dataclass(frozen=True)
-class TokenSource:
-    """Where a token comes from: exactly one of command, file and env."""
+#: Seconds between fetches of a token (``renew``).
+DEFAULT_RENEW = 300.0
+#: Seconds a token command may run (``token_timeout``).
+DEFAULT_TOKEN_TIMEOUT = 30.0
 
-    command: tuple[str, ...] | None = None
-    file: str | None = None
-    env: str | None = None
-    renew: float = 300.0
-    timeout: float = 30.0
+
+# A token source is one of three frozen values, each named after its config key
+# (``token_command``, ``token_file``, ``token_env``).  ``describe()`` is how
+# status, doctor and the keeper's log name it; ``fix()`` is what doctor tells a
+# person to do when it gave no token.  Neither ever holds the token.
+
+
+@dataclass(frozen=True)
+class CommandSource:
+    """The token is what ``command`` prints (``token_command``), run in the service's environment."""
+
+    command: tuple[str, ...]
+    renew: float = DEFAULT_RENEW
+    timeout: float = DEFAULT_TOKEN_TIMEOUT
 
     def describe(self) -> str:
-        if self.command is not None:
-            return "command " + " ".join(self.command)
-        if self.file is not None:
-            return "file " + self.file
+        return "command " + " ".join(self.command)
+
+    def fix(self) -> str:
+        hint = " (for gh: `gh auth login`)" if os.path.basename(self.command[0]) == "gh" else ""
+        return f"make `{' '.join(self.command)}` print the token{hint}; the service retries"
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """The token is the content of ``file`` (``token_file``), read again at each renewal."""
+
+    file: str
+    renew: float = DEFAULT_RENEW
+
+    def describe(self) -> str:
+        return "file " + self.file
+
+    def fix(self) -> str:
+        return f"put the token in {self.file} (mode 0600)"
+
+
+@dataclass(frozen=True)
+class EnvSource:
+    """The token is the service's own environment variable ``env`` (``token_env``)."""
+
+    env: str
+    renew: float = DEFAULT_RENEW
+
+    def describe(self) -> str:
         return f"environment variable {self.env}"
+
+    def fix(self) -> str:
+        return (
+            f"give the service ${self.env}: `systemctl --user set-environment {self.env}=…` "
+            "then restart it, or set it where `agentsandbox serve` runs"
+        )
+
+
+#: Where a token comes from: exactly one of a command, a file and a variable.
+TokenSource = CommandSource | FileSource | EnvSource
 
 
 @dataclass(frozen=True)
@@ -245,7 +290,7 @@ class Config:
 
 def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
     """The built-in rule: one ``gh auth token`` for GitHub's three hosts."""
-    source = token or TokenSource(command=("gh", "auth", "token"))
+    source = token or CommandSource(command=("gh", "auth", "token"))
     return (
         InjectRule(
             hosts=("github.com",),
@@ -641,15 +686,15 @@ def _parseToken(t: _Table, paths: Paths) -> TokenSource:
         )
     if env and not _ENV_NAME.match(env):
         raise t.error("token_env", f"{env!r} is not a variable name")
-    renew = _positive(t, "renew", float, 300.0)
-    timeout = _positive(t, "token_timeout", float, 30.0)
-    return TokenSource(
-        command=command or None,
-        file=_absPath(t, "token_file", file, paths) if file else None,
-        env=env or None,
-        renew=renew,
-        timeout=timeout,
-    )
+    renew = _positive(t, "renew", float, DEFAULT_RENEW)
+    # Read for every source, so a bad value is refused wherever it stands; only
+    # a command can take too long.
+    timeout = _positive(t, "token_timeout", float, DEFAULT_TOKEN_TIMEOUT)
+    if command:
+        return CommandSource(command, renew, timeout)
+    if file:
+        return FileSource(_absPath(t, "token_file", file, paths), renew)
+    return EnvSource(env, renew)
 
 
 def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:

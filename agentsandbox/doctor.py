@@ -277,19 +277,6 @@ def checkSameUser(
     return Check(name, OK, f"the proxy and the broker run as uid {me}")
 
 
-def _tokenFix(rule: InjectRule) -> str:
-    source = rule.token
-    if source.command is not None:
-        hint = " (for gh: `gh auth login`)" if os.path.basename(source.command[0]) == "gh" else ""
-        return f"make `{' '.join(source.command)}` print the token{hint}; the service retries"
-    if source.file is not None:
-        return f"put the token in {source.file} (mode 0600)"
-    return (
-        f"give the service ${source.env}: `systemctl --user set-environment {source.env}=…` "
-        "then restart it, or set it where `agentsandbox serve` runs"
-    )
-
-
 def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -> list[Check]:
     """A token is present for every inject rule, by the service's own account."""
     checks: list[Check] = []
@@ -317,7 +304,7 @@ def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -
         else:
             error = entry.get("lastError") or "not fetched yet"
             checks.append(
-                Check(name, FAIL, f"no token from {rule.token.describe()}: {error}", _tokenFix(rule))
+                Check(name, FAIL, f"no token from {rule.token.describe()}: {error}", rule.token.fix())
             )
     return checks
 

@@ -1,8 +1,9 @@
 """Token sources and the keeper that renews a token for the terminating proxy.
 
 A keeper fetches its token at start and every ``renew`` seconds after that,
-from a command (``gh auth token`` by default), a file, or the service's own
-environment.  A failed fetch keeps the token it has and retries sooner, with a
+from one of the sources ``agentsandbox.config`` defines (the values and their
+``describe()``/``fix()`` texts live there): a command (``gh auth token`` by
+default), a file, or the service's own environment.  A failed fetch keeps the token it has and retries sooner, with a
 doubling backoff capped at the renewal period, so a flaky ``gh`` never leaves
 the proxy without a token it already held.
 
@@ -34,7 +35,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from agentsandbox.config import InjectRule, TokenSource
+from agentsandbox.config import CommandSource, EnvSource, FileSource, InjectRule, TokenSource
 
 #: What a source may print: a header value must never carry CR, LF or spaces.
 _TOKEN = re.compile(r"^[\x21-\x7e]{1,8192}$")
@@ -249,13 +250,14 @@ class TokenKeeper(Service):
     # ------------------------------------------------------------------ sources
 
     def _fetch(self) -> Deferred[str]:
-        source = self.source
         try:
-            if source.command is not None:
-                return self._runCommand(source.command)
-            if source.file is not None:
-                return _succeed(self._readFile(source.file))
-            return _succeed(self._readEnviron(source.env or ""))
+            match self.source:
+                case CommandSource():
+                    return self._runCommand(self.source)
+                case FileSource(file=path):
+                    return _succeed(self._readFile(path))
+                case EnvSource(env=name):
+                    return _succeed(self._readEnviron(name))
         except TokenError as e:
             d: Deferred[str] = Deferred()
             d.errback(Failure(e))
@@ -278,8 +280,9 @@ class TokenKeeper(Service):
             raise TokenError(f"environment variable {name} is not set in the service's environment")
         return checkToken(value.encode("utf-8", "replace"), f"environment variable {name}")
 
-    def _runCommand(self, argv: tuple[str, ...]) -> Deferred[str]:
-        what = "command " + " ".join(argv)
+    def _runCommand(self, source: CommandSource) -> Deferred[str]:
+        argv = source.command
+        what = source.describe()
         program = argv[0]
         if os.sep not in program:
             found = shutil.which(program, path=self._environ.get("PATH", os.defpath))
@@ -299,7 +302,7 @@ class TokenKeeper(Service):
             timedOut.append(True)
             self._kill()
 
-        bound = self._clock.callLater(self.source.timeout, expire)
+        bound = self._clock.callLater(source.timeout, expire)
 
         def ended(result: tuple[bytes, bytes, Failure]) -> str:
             self._process = None
@@ -307,7 +310,7 @@ class TokenKeeper(Service):
                 bound.cancel()
             out, err, reason = result
             if timedOut:
-                raise TokenError(f"{what} took longer than {_duration(self.source.timeout)} and was killed")
+                raise TokenError(f"{what} took longer than {_duration(source.timeout)} and was killed")
             if not reason.check(ierror.ProcessDone):
                 code = getattr(reason.value, "exitCode", None)
                 sig = getattr(reason.value, "signal", None)

@@ -10,7 +10,10 @@ import pytest
 from agentsandbox.config import (
     BUILTIN,
     DEFAULT_DOMAINS,
+    CommandSource,
     ConfigError,
+    EnvSource,
+    FileSource,
     githubRules,
     load,
     loads,
@@ -69,9 +72,9 @@ renew = 60
 """
     )
     model, registry = c.inject
-    assert model.header == "x-api-key" and model.token.env == "MODEL_KEY"
+    assert model.header == "x-api-key" and model.token == EnvSource(env="MODEL_KEY")
     assert model.render("T") == "T"
-    assert registry.token.file == user.h(".secrets/registry")
+    assert registry.token == FileSource(file=user.h(".secrets/registry"), renew=60.0)
     assert registry.token.renew == 60.0
     assert registry.render("T") == "Basic Y2k6VA=="
     github = githubRules()
@@ -228,3 +231,28 @@ def test_unreadable_config(user: User, tmp_path: Path) -> None:
         secret.chmod(0)
         with pytest.raises(ConfigError, match="Permission denied"):
             load(str(secret), user.env)
+
+
+def test_a_token_source_is_one_of_three_values_each_describing_itself(user: User) -> None:
+    c = user.config(
+        '[[inject]]\nhosts = ["a.example.org"]\ntoken_command = ["gh", "auth", "token"]\ntoken_timeout = 5\n\n'
+        '[[inject]]\nhosts = ["b.example.org"]\ntoken_file = "~/.secrets/b"\nrenew = 60\n\n'
+        '[[inject]]\nhosts = ["c.example.org"]\ntoken_env = "C_TOKEN"\ntoken_timeout = 9\n'
+    )
+    command, file, env = (rule.token for rule in c.inject)
+    assert command == CommandSource(command=("gh", "auth", "token"), timeout=5.0)
+    assert file == FileSource(file=user.h(".secrets/b"), renew=60.0)
+    assert env == EnvSource(env="C_TOKEN")  # token_timeout bounds a command only
+    assert [s.describe() for s in (command, file, env)] == [
+        "command gh auth token",
+        f"file {user.h('.secrets/b')}",
+        "environment variable C_TOKEN",
+    ]
+    assert command.fix() == "make `gh auth token` print the token (for gh: `gh auth login`); the service retries"
+    assert CommandSource(command=("/opt/vault", "read")).fix() == "make `/opt/vault read` print the token; the service retries"
+    assert file.fix() == f"put the token in {user.h('.secrets/b')} (mode 0600)"
+    assert env.fix().startswith("give the service $C_TOKEN: `systemctl --user set-environment C_TOKEN=…`")
+    # The built-in rules share one value, so one keeper runs one command for GitHub.
+    assert len({rule.token for rule in githubRules()}) == 1
+    with pytest.raises(ConfigError, match=r"inject\[0\]\.token_timeout"):
+        user.config('[[inject]]\nhosts = ["a.example.org"]\ntoken_env = "A"\ntoken_timeout = 0\n')

@@ -15,7 +15,7 @@ from typing import Any
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
-from agentsandbox.config import InjectRule, TokenSource, githubRules
+from agentsandbox.config import EnvSource, InjectRule, githubRules
 from agentsandbox.egress.inject import headAnomaly
 from tests.support.inject_github import RawWebSocketish, documentationAddress
 from tests.support.inject_harness import TOKEN, FixedToken, InjectHarness, LogCapture
@@ -334,7 +334,7 @@ class GenericRule(Base):
             hosts=("llm.example.com",),
             header="X-Api-Key",
             format="{token}",
-            token=TokenSource(env="LLM_KEY"),
+            token=EnvSource(env="LLM_KEY"),
         ),
     )
 

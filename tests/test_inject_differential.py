@@ -65,7 +65,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from agentsandbox.config import InjectRule, TokenSource
+from agentsandbox.config import EnvSource, InjectRule
 from agentsandbox.egress.inject import MAX_HEAD, Route, _Tunnel, _Upstream
 
 HOST = "api.example.com"
@@ -74,7 +74,7 @@ TOKEN = "differential-t0k3n"
 # A rule with a header of its own (not Authorization), so removing the
 # client's copy of the rule's header is part of what is checked.
 RULE = InjectRule(
-    hosts=(HOST,), header="X-Api-Key", format="{token}", token=TokenSource(env="UNUSED")
+    hosts=(HOST,), header="X-Api-Key", format="{token}", token=EnvSource(env="UNUSED")
 )
 ADDRESS = ipaddress.ip_address("127.0.0.1")
 

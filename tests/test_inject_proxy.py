@@ -20,7 +20,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial import unittest
 
-from agentsandbox.config import TokenSource, githubRules
+from agentsandbox.config import FileSource, githubRules
 from agentsandbox.egress.inject import routesFor
 from agentsandbox.egressdir import egressVars, writeEgressDir
 from agentsandbox.tokens import TokenKeepers
@@ -202,7 +202,7 @@ class ThroughTheProxy(unittest.TestCase):
         tokenFile = os.path.join(secrets, "token")
         with open(tokenFile, "w") as f:
             f.write(TOKEN + "\n")
-        rules = githubRules(TokenSource(file=tokenFile))
+        rules = githubRules(FileSource(file=tokenFile))
         keepers = TokenKeepers(rules, reactor)  # type: ignore[arg-type,unused-ignore]
         keepers.startService()
         self.addCleanup(keepers.stopService)

@@ -12,7 +12,7 @@ from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 from twisted.trial import unittest
 
-from agentsandbox.config import TokenSource, githubRules
+from agentsandbox.config import CommandSource, EnvSource, FileSource, TokenSource, githubRules
 from agentsandbox.tokens import TokenError, TokenKeeper, TokenKeepers, checkToken
 from tests.support.inject_harness import LogCapture
 
@@ -43,10 +43,10 @@ class KeeperTests(unittest.TestCase):
         self.addCleanup(k.stopService)
         return k
 
-    def commandSource(self, body: str, **kw: Any) -> TokenSource:
+    def commandSource(self, body: str, **kw: Any) -> CommandSource:
         path = script(body, self.state)
         self.addCleanup(os.unlink, path)
-        return TokenSource(command=(path,), **kw)
+        return CommandSource(command=(path,), **kw)
 
     def assertSilent(self) -> None:
         for line in self.logs.lines:
@@ -141,7 +141,7 @@ class KeeperTests(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_missingProgram(self) -> Any:
-        k = self.keeper(TokenSource(command=("no-such-token-program-here",)), environ={"PATH": "/nonexistent"})
+        k = self.keeper(CommandSource(command=("no-such-token-program-here",)), environ={"PATH": "/nonexistent"})
         k.startService()
         yield k.refresh()
         self.assertIn("not on the service's PATH", k.status().lastError or "")
@@ -151,7 +151,7 @@ class KeeperTests(unittest.TestCase):
         path = os.path.join(self.state, "token")
         with open(path, "w") as f:
             f.write(TOKEN + "\n")
-        k = self.keeper(TokenSource(file=path))
+        k = self.keeper(FileSource(file=path))
         k.startService()
         yield k.refresh()
         self.assertEqual(k.token(), TOKEN)
@@ -162,17 +162,17 @@ class KeeperTests(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_environmentSource(self) -> Any:
-        k = self.keeper(TokenSource(env="MY_TOKEN"), environ={"MY_TOKEN": TOKEN})
+        k = self.keeper(EnvSource(env="MY_TOKEN"), environ={"MY_TOKEN": TOKEN})
         k.startService()
         yield k.refresh()
         self.assertEqual(k.token(), TOKEN)
-        k2 = self.keeper(TokenSource(env="MY_TOKEN"), environ={})
+        k2 = self.keeper(EnvSource(env="MY_TOKEN"), environ={})
         k2.startService()
         yield k2.refresh()
         self.assertIn("MY_TOKEN is not set", k2.status().lastError or "")
 
     def test_startFetchesAtOnceAndStopCancels(self) -> None:
-        k = self.keeper(TokenSource(env="T"), environ={"T": TOKEN})
+        k = self.keeper(EnvSource(env="T"), environ={"T": TOKEN})
         k.startService()
         self.clock.advance(0)
         self.assertEqual(k.token(), TOKEN)

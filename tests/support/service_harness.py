@@ -318,11 +318,13 @@ def exclusiveLock(path: str, timeout: float, what: str) -> Iterator[None]:
 
 def _expectedToken(config: Any) -> str:
     """The token the service will inject, read the way its keeper reads it."""
+    from agentsandbox.config import EnvSource, FileSource
+
     for rule in config.inject:
         source = rule.token
-        if source.env is not None:
+        if isinstance(source, EnvSource):
             return os.environ[source.env]
-        if source.file is not None:
+        if isinstance(source, FileSource):
             with open(source.file) as f:
                 return f.read().strip()
     raise SystemExit("the config has no inject rule with a token_env or token_file")
