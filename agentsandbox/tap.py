@@ -73,9 +73,19 @@ def runTwistd(argv: list[str] | None = None) -> None:
         def _getPlugins(interface: Any) -> list[ServiceMaker]:
             return [serviceMaker]
 
+    from twisted.python import usage
+
+    from agentsandbox.cli import EXIT_CONFIG
+
     if argv is not None:
         sys.argv[1:] = argv
-    app.run(twistd.runApp, ServerOptions)
+    try:
+        app.run(twistd.runApp, ServerOptions)
+    except usage.UsageError as e:
+        # makeService refused the config: said once, with the status of every
+        # command's config error, not as a traceback.
+        print(f"agentsandbox-twistd: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     # The reason is in the log already (twistd owns stderr by now).
     if any(s.startFailure for s in _made):
         sys.exit(1)

@@ -73,6 +73,20 @@ def test_tapRefusesABrokenConfigNamingFileAndKey(tmp_path: os.PathLike[str]) -> 
     assert "proxy.port" in str(caught.value)
 
 
+def test_runnerExitsWithTheConfigErrorStatus(tmp_path: os.PathLike[str]) -> None:
+    path = os.path.join(tmp_path, "config.toml")
+    with open(path, "w") as f:
+        f.write("[proxy]\nprot = 1\n")
+    code = (
+        "from agentsandbox.tap import runTwistd\n"
+        f"runTwistd(['--nodaemon', '--pidfile=', '--logfile=-', 'agentsandbox', '--config', {path!r}])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"agentsandbox-twistd: {path}: proxy.prot: unknown key (a typo here must not weaken the policy)\n"
+
+
 def test_pluginModuleNamesTheTap() -> None:
     # Imported by path, not through getPlugins: scanning would write a
     # dropin.cache into the checkout.
