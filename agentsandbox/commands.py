@@ -1,4 +1,7 @@
-"""The small explain-and-print commands: ``config``, ``render``, ``check``."""
+"""The small explain-and-print commands: ``config``, ``render``, ``check``.
+
+Their preamble (``--config``, loading, exit 2 on a config error) is ``agentsandbox.cli``'s.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ Lookup order: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > ``~/.config/agentsandbox
 > ``/etc/agentsandbox/config.toml`` > the built-in defaults.  Unknown keys are errors,
 because a typo must never silently weaken a policy.
 
+It owns the config's values, the token sources among them (``CommandSource``,
+``FileSource``, ``EnvSource``: where a token comes from, how that is named and
+what fixes it when it gives none); ``tokens.py`` fetches from them.
+
 Stdlib only: the hook loads the config on every file-tool call.
 """
 

@@ -2,10 +2,12 @@
 
 ``doctor`` checks everything the policy needs to be enforced, one small function
 per check, each taking what it looks at (paths, a command runner, a probe) so the
-tests can drive it both ways.  Every failure says what fixes it.  Exit status 0
-when no check failed, 1 otherwise; a *warning* (Claude Code too old for
-``onFailure``) or an *unknown* (token state the service did not report) does not
-fail the run.
+tests can drive it both ways; the probes themselves (connect, listeners, broker
+ask, program runner) are ``agentsandbox.probes``'.  Every failure says what fixes
+it.  Exit status 0 when no check failed, ``cli.EXIT_CONFIG`` (2) when the config
+cannot be loaded, 1 when another check failed; a *warning* (Claude Code too old
+for ``onFailure``) or an *unknown* (token state the service did not report) does
+not fail the run.
 
 ``status`` shows the running service's figures from the broker's ``status`` op:
 requests per op and outcome, uptime, and whatever the service adds (proxy

@@ -12,8 +12,9 @@ Three rules make it safe to use:
 * **Never unenforced.**  Before anything starts, srt, bubblewrap, socat and
   ripgrep must be on the PATH and the service must answer (a broker ping *and*
   a TCP connection to the proxy port on 127.0.0.1, whose listening socket is
-  not another user's).  Otherwise nothing runs and
-  the exit status is ``EX_UNENFORCED`` (125), with a message naming the fix.
+  not another user's: the probes of ``agentsandbox.probes``).  Otherwise
+  nothing runs and the exit status is ``EX_UNENFORCED`` (125), with a message
+  naming the fix.
 * **Deny-by-default environment.**  Only variables matching ``[run] env`` pass,
   minus every credential-looking name (``sandbox.unset_env``; ``sandbox.keep_env``
   exempts names, as for Claude Code's sessions), plus the per-user session
