@@ -845,11 +845,13 @@ class DispatchQueryError(Exception):
 
 
 def askStatus(path: str, timeout: float = 3.0) -> dict[str, Any]:
-    """The dispatcher's status reply, asked over its registration socket."""
+    """The dispatcher's status reply, asked over its registration socket, with
+    ``answeredBy``: the uid that listens on it (the kernel's SO_PEERCRED)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
+            _, answeredBy = peerCredentials(sock)
             sock.sendall(encode({"op": "status"}))
             data = b""
             while not data.endswith(b"\n"):
@@ -865,6 +867,7 @@ def askStatus(path: str, timeout: float = 3.0) -> dict[str, Any]:
         raise DispatchQueryError(f"the dispatcher on {path} answered something that is not JSON") from None
     if not isinstance(reply, dict) or reply.get("op") != "status":
         raise DispatchQueryError(f"the dispatcher on {path} answered {str(reply)[:200]}")
+    reply["answeredBy"] = answeredBy
     return reply
 
 
