@@ -215,7 +215,7 @@ class _Refusal:
         self.closed = False
         self.finished = False
         sock.setblocking(False)
-        self.timer = dispatcher.reactor.callLater(REFUSAL_TIMEOUT, self.close)
+        self.timer = dispatcher.clock.callLater(REFUSAL_TIMEOUT, self.close)
         dispatcher.refusing.add(self)
         dispatcher.reactor.addReader(self)
 
@@ -323,7 +323,7 @@ class Client:
         self.writing = False
         self.handedOff = 0
         self.since = time.time()
-        self.timer: Any = dispatcher.reactor.callLater(SPEAK_TIMEOUT, self._silent)
+        self.timer: Any = dispatcher.clock.callLater(dispatcher.speakTimeout, self._silent)
         dispatcher.reactor.addReader(self)
 
     def fileno(self) -> int:
@@ -336,7 +336,7 @@ class Client:
         self.timer = None
         log.warn(
             "registration socket: uid {uid} (pid {pid}) connected and said nothing for {s:g}s; closed",
-            uid=self.uid, pid=self.pid, s=SPEAK_TIMEOUT,
+            uid=self.uid, pid=self.pid, s=self.dispatcher.speakTimeout,
         )  # fmt: skip
         self.close()
 
@@ -500,10 +500,12 @@ class RegistrationFigures:
 class Dispatcher:
     """The registry (uid -> registration) and the decision for each accepted connection."""
 
-    def __init__(self, reactor: Any, owners: Any = None) -> None:
+    def __init__(self, reactor: Any, owners: Any = None, clock: Any = None, speakTimeout: float = SPEAK_TIMEOUT) -> None:
         from agentsandbox.egress.peer import SocketTable
 
         self.reactor = reactor
+        self.clock = clock if clock is not None else reactor
+        self.speakTimeout = speakTimeout
         #: Who owns a client socket: ``SocketTable.ownerOf(client, server)``.
         self.owners = owners if owners is not None else SocketTable()
         self.registrations: dict[int, Client] = {}
@@ -695,10 +697,20 @@ class ListeningService(Service):
 class DispatchService(MultiService):
     """The dispatcher: its listening sockets (children) and the ``Dispatcher`` they feed."""
 
-    def __init__(self, reactor: Any, tcp: list[socket.socket], registration: list[socket.socket], *, owners: Any = None, createdSocket: str | None = None) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        tcp: list[socket.socket],
+        registration: list[socket.socket],
+        *,
+        owners: Any = None,
+        clock: Any = None,
+        speakTimeout: float = SPEAK_TIMEOUT,
+        createdSocket: str | None = None,
+    ) -> None:
         super().__init__()
         self.reactor = reactor
-        self.dispatcher = Dispatcher(reactor, owners)
+        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout)
         for sock in tcp:
             local = _address(sock.getsockname())
             self.dispatcher.ports.append(_showAddress(local))
@@ -816,7 +828,9 @@ def bindRegistration(path: str) -> socket.socket:
     return sock
 
 
-def makeService(reactor: Any, port: int, socketPath: str, environ: dict[str, str] | None = None, owners: Any = None) -> DispatchService:
+def makeService(
+    reactor: Any, port: int, socketPath: str, environ: dict[str, str] | None = None, **kwargs: Any
+) -> DispatchService:
     """The dispatcher on inherited sockets (socket activation), else on ``port`` and ``socketPath``."""
     inherited = inheritedSockets(environ)
     if inherited is not None:
@@ -826,7 +840,7 @@ def makeService(reactor: Any, port: int, socketPath: str, environ: dict[str, str
                 "socket activation passed no TCP socket or no Unix socket (agentsandbox-dispatch.socket "
                 "needs ListenStream= lines for both)"
             )
-        return DispatchService(reactor, tcp, unix, owners=owners)
+        return DispatchService(reactor, tcp, unix, **kwargs)
     bound = bindTCP(port)
     try:
         registration = bindRegistration(socketPath)
@@ -834,7 +848,7 @@ def makeService(reactor: Any, port: int, socketPath: str, environ: dict[str, str
         for s in bound:
             s.close()
         raise
-    return DispatchService(reactor, bound, [registration], owners=owners, createdSocket=socketPath)
+    return DispatchService(reactor, bound, [registration], createdSocket=socketPath, **kwargs)
 
 
 # --------------------------------------------------------------------------- asking a dispatcher
@@ -907,6 +921,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, help=f"the proxy port (default: the config's proxy.port, {DEFAULT_PROXY_PORT})")
     parser.add_argument("--socket", help=f"the registration socket (default: {DISPATCH_SOCKET})")
     parser.add_argument("--config", help="config file for proxy.port (default: the usual lookup)")
+    parser.add_argument(
+        "--speak-timeout", type=float, default=SPEAK_TIMEOUT, metavar="SECONDS",
+        help=f"how long a registration-socket client may stay silent before it is closed (default {SPEAK_TIMEOUT:g})",
+    )  # fmt: skip
     parser.add_argument("--status", action="store_true", help="ask the running dispatcher for its status, then exit")
     parser.add_argument("--json", action="store_true", help="with --status: print it as JSON")
     args = parser.parse_args(argv)
@@ -935,10 +953,13 @@ def main(argv: list[str]) -> int:
     if port is not None and not 0 < port < 65536:
         print(f"agentsandbox dispatch: --port {port} is not a port from 1 to 65535", file=sys.stderr)
         return 2
-    return _run(port or DEFAULT_PROXY_PORT, path, activated)
+    if not args.speak_timeout > 0:
+        print("agentsandbox dispatch: --speak-timeout must be positive", file=sys.stderr)
+        return 2
+    return _run(port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout)
 
 
-def _run(port: int, path: str, activated: bool) -> int:
+def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
     from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
@@ -946,7 +967,7 @@ def _run(port: int, path: str, activated: bool) -> int:
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
     _raiseDescriptorLimit()
     try:
-        service = makeService(reactor, port, path)
+        service = makeService(reactor, port, path, speakTimeout=speakTimeout)
     except DispatchStartError as e:
         print(f"agentsandbox dispatch: {e}", file=sys.stderr)
         return 1
