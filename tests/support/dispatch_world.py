@@ -23,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tests.support.broker_support import waitFor
 from tests.support.service_process import NOBODY, REPO, ServiceProcess, UserDirs
@@ -107,17 +108,17 @@ class DispatchWorld:
         self.dispatcher.waitFor(re.compile(r"dispatching "), 60, "the dispatcher to listen")
         return self.dispatcher
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> dict[str, Any]:
         out = subprocess.run(
             [sys.executable, "-m", "agentsandbox", "dispatch", "--status", "--json", "--socket", self.socket],
             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=30,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
-        status: dict[str, object] = json.loads(out.stdout)
+        status: dict[str, Any] = json.loads(out.stdout)
         return status
 
     def registeredUids(self) -> set[int]:
-        return {int(r["uid"]) for r in self.status()["registered"]}  # type: ignore[attr-defined]
+        return {int(r["uid"]) for r in self.status()["registered"]}
 
     # ------------------------------------------------------------------ user services
 
