@@ -394,7 +394,11 @@ class Client:
     def refuse(self, why: str) -> None:
         """Bad input: one log line, an error line back, and this connection closed."""
         log.warn("registration socket: uid {uid} (pid {pid}) {why}; closed", uid=self.uid, pid=self.pid, why=why)
+        queued = [s for _, s in self.outgoing if s is not None]
         self.outgoing.clear()
+        # A registration that misbehaves ends now: nothing more is handed to it,
+        # and what was queued for it is refused like any unserved connection.
+        self.dispatcher.clientClosed(self, queued, why)
         self.send(encode({"op": "error", "error": why}))
         self.closeWhenFlushed = True
         self._flush()
@@ -565,6 +569,7 @@ class Dispatcher:
             log.info("uid {uid} registered (pid {pid})", uid=client.uid, pid=client.pid)
 
     def clientClosed(self, client: Client, unsent: list[socket.socket], why: str | None) -> None:
+        """``client`` is closed (or refused and closing): drop its registration, re-route ``unsent``."""
         self.clients.discard(client)
         if self.registrations.get(client.uid) is client:
             del self.registrations[client.uid]
