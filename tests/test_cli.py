@@ -63,6 +63,7 @@ LOADS_THE_CONFIG: list[tuple[str, ...]] = [
     ("install", "--managed-dir", "/nonexistent"),
     ("serve",),
     ("broker",),
+    ("dispatch",),
     ("log",),
     ("suggest",),
     ("run", "--", "true"),

@@ -1,0 +1,182 @@
+"""The dispatcher for one user: its wire, its units, socket activation, lookup of its socket.
+
+The many-users behaviour (real users from ``useradd``) is in test_dispatch_users.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from agentsandbox.config import ConfigError, loads
+from agentsandbox.egress.dispatch import MAX_LINE, LineReader, WireError, encode
+from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateDispatchSocket
+from tests.support.broker_support import waitFor
+from tests.support.service_process import REPO, HelloServer, ServiceProcess
+
+DATA = REPO / "agentsandbox" / "data"
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def test_line_reader_splits_and_buffers() -> None:
+    r = LineReader()
+    assert r.feed(b'{"op": "register"}\n{"op"') == [{"op": "register"}]
+    assert r.feed(b': "status", "uid": 0}\n') == [{"op": "status", "uid": 0}]
+    assert r.pending == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"\xff\xfe\n", "not JSON"),
+        (b"[1, 2]\n", "JSON object"),
+        (b'{"uid": 0}\n', "JSON object"),
+        (b"{" + b"x" * MAX_LINE + b"}", "longer than"),
+        (b"{" + b"x" * MAX_LINE + b"}\n", "longer than"),
+    ],
+)
+def test_line_reader_refuses_bad_input(data: bytes, why: str) -> None:
+    with pytest.raises(WireError, match=why):
+        LineReader().feed(data)
+
+
+def test_encode_is_one_line() -> None:
+    assert encode({"op": "conn"}) == b'{"op":"conn"}\n'
+
+
+# --------------------------------------------------------------------------- where a service looks
+
+
+def test_dispatch_socket_lookup_env_then_config_then_default() -> None:
+    assert locateDispatchSocket(DISPATCH_SOCKET, {}) == "/run/agentsandbox/dispatch.sock"
+    assert locateDispatchSocket("/srv/d.sock", {}) == "/srv/d.sock"
+    assert locateDispatchSocket("/srv/d.sock", {"AGENTSANDBOX_DISPATCH_SOCKET": "/tmp/e.sock"}) == "/tmp/e.sock"
+    assert locateDispatchSocket("", {}) is None
+
+
+def test_config_key_dispatch_socket(tmp_path: Path) -> None:
+    paths = Paths.fromEnvironment({"HOME": str(tmp_path)})
+    assert loads(b"", "c.toml", paths).proxy.dispatch_socket == DISPATCH_SOCKET
+    assert loads(b'[proxy]\ndispatch_socket = ""\n', "c.toml", paths).proxy.dispatch_socket == ""
+    with pytest.raises(ConfigError, match=r"proxy\.dispatch_socket.*absolute path"):
+        loads(b'[proxy]\ndispatch_socket = "run/d.sock"\n', "c.toml", paths)
+
+
+# --------------------------------------------------------------------------- the units
+
+
+def _verifiable(tmp: Path) -> Path:
+    """The units with ExecStart pointing at a program that exists here (verify checks it)."""
+    for name in ("agentsandbox-dispatch.socket", "agentsandbox-dispatch.service"):
+        text = (DATA / name).read_text().replace("/usr/bin/agentsandbox dispatch", "/bin/true dispatch")
+        (tmp / name).write_text(text)
+    return tmp
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_units_verify_and_exposure(tmp_path: Path) -> None:
+    d = _verifiable(tmp_path)
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(d / "agentsandbox-dispatch.socket"), str(d / "agentsandbox-dispatch.service")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+    sec = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(DATA / "agentsandbox-dispatch.service")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", sec.stdout)
+    assert m is not None, sec.stdout + sec.stderr
+    print("systemd-analyze security --offline=yes:", m.group(1))
+    assert float(m.group(1)) <= 2.0
+
+
+def test_unit_contract() -> None:
+    socketUnit = (DATA / "agentsandbox-dispatch.socket").read_text()
+    for line in ("ListenStream=127.0.0.1:3190", "ListenStream=[::1]:3190", "ListenStream=/run/agentsandbox/dispatch.sock",
+                 "SocketMode=0666", "DirectoryMode=0755"):  # fmt: skip
+        assert line in socketUnit.splitlines()
+    service = (DATA / "agentsandbox-dispatch.service").read_text().splitlines()
+    for line in ("ExecStart=/usr/bin/agentsandbox dispatch", "DynamicUser=yes", "ProtectSystem=strict", "ProtectHome=yes",
+                 "PrivateTmp=yes", "NoNewPrivileges=yes", "CapabilityBoundingSet=", "SystemCallFilter=@system-service",
+                 "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK"):  # fmt: skip
+        assert line in service
+    # A user namespace would show every other user's uid as "nobody".
+    assert "PrivateUsers=yes" not in service
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _agentsandbox(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentsandbox", *args], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+def test_status_without_a_dispatcher_says_so(tmp_path: Path) -> None:
+    out = _agentsandbox("dispatch", "--status", "--socket", str(tmp_path / "none.sock"))
+    assert out.returncode == 1 and "no dispatcher answers on" in out.stderr
+
+
+def test_bad_port_and_taken_socket(tmp_path: Path) -> None:
+    assert "not a port" in _agentsandbox("dispatch", "--port", "70000").stderr
+    not_a_socket = tmp_path / "file"
+    not_a_socket.write_text("")
+    out = _agentsandbox("dispatch", "--port", "1", "--socket", str(not_a_socket))
+    assert out.returncode == 1 and ("not a socket" in out.stderr or "cannot listen" in out.stderr), out.stderr
+
+
+def _registerAndServeOne(path: str, answer: str) -> subprocess.Popen[str]:
+    """A registration (this user) that answers the first connection it is handed."""
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'{\"op\":\"register\"}\\n')\n"
+        "print(s.recv(4096).decode().strip(), flush=True)\n"
+        "msg, fds, _, _ = socket.recv_fds(s, 4096, 1)\n"
+        "c = socket.socket(fileno=fds[0]); c.recv(65536); c.sendall(sys.argv[2].encode()); c.close()\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, path, answer], stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate is not installed")
+def test_socket_activation_adopts_tcp_and_unix_descriptors() -> None:
+    base = tempfile.mkdtemp(prefix="dispatch-activate-")
+    path = os.path.join(base, "dispatch.sock")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The Unix socket first: the dispatcher sorts by family, not position.
+    argv = ["systemd-socket-activate", "-E", f"PYTHONPATH={REPO}",
+            "-l", path, "-l", f"127.0.0.1:{port}", "-l", f"[::1]:{port}", sys.executable, "-m", "agentsandbox", "dispatch"]  # fmt: skip
+    proc = ServiceProcess(argv, {**os.environ, "PYTHONPATH": str(REPO)}, base)
+    hello = HelloServer()
+    try:
+        waitFor(lambda: os.path.exists(path), 20, "systemd-socket-activate to listen")
+        status = json.loads(waitFor(lambda: _agentsandbox("dispatch", "--status", "--json", "--socket", path).stdout, 60, "status"))
+        assert status["ports"] == [f"127.0.0.1:{port}", f"[::1]:{port}"]
+        registered = _registerAndServeOne(path, "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nhi\n")
+        assert registered.stdout is not None and json.loads(registered.stdout.readline())["uid"] == os.getuid()
+        out = subprocess.run(
+            ["curl", "-sS", "--noproxy", "", "-x", f"http://[::1]:{port}", f"http://127.0.0.1:{hello.port}/"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert out.stdout == "hi\n", out
+        registered.wait(10)
+        assert "dispatching" in proc.output() and "from systemd" in proc.output()
+    finally:
+        hello.close()
+        proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
