@@ -1,11 +1,12 @@
-"""Token sources and the keeper that renews a token for the terminating proxy.
+"""The keepers that renew a token for the terminating proxy, one per token source.
 
 A keeper fetches its token at start and every ``renew`` seconds after that,
-from one of the sources ``agentsandbox.config`` defines (the values and their
-``describe()``/``fix()`` texts live there): a command (``gh auth token`` by
-default), a file, or the service's own environment.  A failed fetch keeps the token it has and retries sooner, with a
-doubling backoff capped at the renewal period, so a flaky ``gh`` never leaves
-the proxy without a token it already held.
+from one of the sources ``agentsandbox.config`` defines (those values, and the
+``describe()``/``fix()`` texts naming them, live there): a command (``gh auth
+token`` by default), a file, or the service's own environment.  A failed fetch
+keeps the token it has and retries sooner, with a doubling backoff capped at
+the renewal period, so a flaky ``gh`` never leaves the proxy without a token it
+already held.
 
 The token goes nowhere but into memory: never into a log line, an error, an
 argv, or a child's environment.  Errors say what failed and are scrubbed of
@@ -252,21 +253,21 @@ class TokenKeeper(Service):
     def _fetch(self) -> Deferred[str]:
         try:
             match self.source:
-                case CommandSource():
-                    return self._runCommand(self.source)
-                case FileSource(file=path):
-                    return _succeed(self._readFile(path))
-                case EnvSource(env=name):
-                    return _succeed(self._readEnviron(name))
+                case CommandSource() as command:
+                    return self._runCommand(command)
+                case FileSource() as file:
+                    return _succeed(self._readFile(file))
+                case EnvSource() as variable:
+                    return _succeed(self._readEnviron(variable))
         except TokenError as e:
             d: Deferred[str] = Deferred()
             d.errback(Failure(e))
             return d
 
-    def _readFile(self, path: str) -> str:
-        what = f"file {path}"
+    def _readFile(self, source: FileSource) -> str:
+        what = source.describe()
         try:
-            with open(path, "rb") as f:
+            with open(source.file, "rb") as f:
                 raw = f.read(MAX_OUTPUT + 1)
         except OSError as e:
             raise TokenError(f"cannot read {what}: {e.strerror or e}") from None
@@ -274,11 +275,12 @@ class TokenKeeper(Service):
             raise TokenError(f"{what} is larger than {MAX_OUTPUT} bytes, so no token")
         return checkToken(raw, what)
 
-    def _readEnviron(self, name: str) -> str:
-        value = self._environ.get(name)
+    def _readEnviron(self, source: EnvSource) -> str:
+        what = source.describe()
+        value = self._environ.get(source.env)
         if value is None:
-            raise TokenError(f"environment variable {name} is not set in the service's environment")
-        return checkToken(value.encode("utf-8", "replace"), f"environment variable {name}")
+            raise TokenError(f"{what} is not set in the service's environment")
+        return checkToken(value.encode("utf-8", "replace"), what)
 
     def _runCommand(self, source: CommandSource) -> Deferred[str]:
         argv = source.command
