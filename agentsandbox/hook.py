@@ -259,7 +259,7 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
         return ([f"unset {n}" for n in names], messages)
     policy = Policy.fromConfig(config, environ)
     exports = dict(policy.sessionVars())
-    exports.update(_egressVars(policy.egress))
+    exports.update(_egressVars(policy.egress, policy.exe))
     names = [
         n
         for n in credentialNames(environ, config.sandbox.unset_env, config.sandbox.keep_env)
@@ -277,12 +277,12 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return lines, messages
 
 
-def _egressVars(egressDir: str | None) -> dict[str, str]:
+def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     if egressDir is None:
         return {}
     from agentsandbox.egressdir import egressVars, signingGitConfig
 
-    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir))
+    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir, exe))
     return exported
 
 

@@ -104,7 +104,7 @@ def sessionVars(policy: Policy) -> dict[str, str]:
 
     out = dict(policy.sessionVars())
     if policy.egress is not None:
-        out.update(egressVars(policy.egress, signingGitConfig(policy.egress)))
+        out.update(egressVars(policy.egress, signingGitConfig(policy.egress, policy.exe)))
     return out
 
 
