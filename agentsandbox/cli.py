@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "hook": ("agentsandbox.hook", "main", "Claude Code hooks: pretooluse | sessionstart"),
     "env": ("agentsandbox.egressdir", "main", "print the egress CA and gh variables; --unset: the line that removes them"),
     "serve": ("agentsandbox.serve", "main", "run the service in the foreground (--demo: on the built-in defaults)"),
+    "dispatch": ("agentsandbox.egress.dispatch", "main", "the system dispatcher: one proxy port for every user [--port N] [--socket PATH] [--status]"),
     "broker": ("agentsandbox.broker.server", "main", "run only the host broker, in the foreground"),
     "ask": ("agentsandbox.broker.commands", "askMain", "ask the host broker: ping | status"),
     "gpg": ("agentsandbox.broker.commands", "gpgMain", "git's gpg.program: sign through the broker"),

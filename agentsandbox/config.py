@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentsandbox.egress.rules import AllowList, Entry, EntryError, isLoopbackName
-from agentsandbox.paths import Paths, locateConfig
+from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateConfig
 
 BUILTIN = "<built-in defaults>"
 
@@ -145,6 +145,8 @@ class ProxyConfig:
     max_tunnels: int = 1024
     header_timeout: float = 60.0
     idle_timeout: float = 600.0
+    #: The system dispatcher's registration socket; "" never registers (always binds).
+    dispatch_socket: str = DISPATCH_SOCKET
 
     @property
     def endpoint(self) -> str:
@@ -472,6 +474,9 @@ def _parseProxy(t: _Table) -> ProxyConfig:
     parent = t.get("parent", str, "") or None
     if parent is not None and not re.match(r"^http://[^/@\s]+:[0-9]+/?$", parent):
         raise t.error("parent", f"{parent!r} must be http://HOST:PORT (an HTTP CONNECT proxy)")
+    dispatch = t.get("dispatch_socket", str, DISPATCH_SOCKET)
+    if dispatch and not os.path.isabs(dispatch):
+        raise t.error("dispatch_socket", f"{dispatch!r} must be an absolute path (or \"\" for no dispatcher)")
     proxy = ProxyConfig(
         port=port,
         listen=listen,
@@ -479,6 +484,7 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         max_tunnels=_positive(t, "max_tunnels", int, 1024),
         header_timeout=_positive(t, "header_timeout", float, 60.0),
         idle_timeout=_positive(t, "idle_timeout", float, 600.0),
+        dispatch_socket=dispatch,
     )
     t.finish()
     return proxy

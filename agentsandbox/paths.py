@@ -25,6 +25,9 @@ APP = "agentsandbox"
 DROP_IN_NAME = "50-agentsandbox.json"
 CONFIG_ENV = "AGENTSANDBOX_CONFIG"
 SYSTEM_CONFIG = "/etc/agentsandbox/config.toml"
+#: The system dispatcher's registration socket (``agentsandbox-dispatch.socket``).
+DISPATCH_SOCKET = "/run/agentsandbox/dispatch.sock"
+DISPATCH_SOCKET_ENV = "AGENTSANDBOX_DISPATCH_SOCKET"
 
 
 def managedDir() -> str:
@@ -140,3 +143,15 @@ def locateConfig(explicit: str | None, environ: Mapping[str, str] | None = None)
     if os.path.exists(SYSTEM_CONFIG):
         return SYSTEM_CONFIG
     return None
+
+
+def locateDispatchSocket(configured: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The dispatcher's registration socket a user's service tries, or None for none.
+
+    ``$AGENTSANDBOX_DISPATCH_SOCKET`` > ``proxy.dispatch_socket`` (``configured``;
+    an empty string turns the dispatcher off) > ``/run/agentsandbox/dispatch.sock``.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(DISPATCH_SOCKET_ENV):
+        return env[DISPATCH_SOCKET_ENV]
+    return configured or None
