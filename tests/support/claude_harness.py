@@ -641,6 +641,34 @@ def _drain(q: queue.Queue[str | None]) -> str:
     return "".join(parts)
 
 
+def withoutKeys(value: Any, keys: frozenset[str]) -> Any:
+    """``value`` without the object keys in ``keys``, at any depth."""
+    if isinstance(value, dict):
+        return {k: withoutKeys(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [withoutKeys(v, keys) for v in value]
+    return value
+
+
+def missingFrom(effective: Any, wanted: Any, where: str = "") -> list[str]:
+    """Where ``wanted`` is not part of ``effective`` (arrays may have grown by merging)."""
+    if isinstance(wanted, dict):
+        if not isinstance(effective, dict):
+            return [f"{where or '/'}: not an object"]
+        missing = []
+        for k, v in wanted.items():
+            if k not in effective:
+                missing.append(f"{where}/{k}: missing")
+            else:
+                missing += missingFrom(effective[k], v, f"{where}/{k}")
+        return missing
+    if isinstance(wanted, list):
+        if not isinstance(effective, list):
+            return [f"{where}: not an array"]
+        return [f"{where}: lacks {w!r}" for w in wanted if w not in effective]
+    return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
+
+
 @contextmanager
 def mockAPI() -> Iterator[MockMessagesAPI]:
     api = MockMessagesAPI().start()
