@@ -320,17 +320,25 @@ def listenerUids(port: int, procDir: str = "/proc") -> set[int]:
 
 
 def checkSameUser(
-    port: int, brokerPid: int | None, uid: int | None = None, procDir: str = "/proc"
+    port: int, brokerPid: int | None, uid: int | None = None, procDir: str = "/proc", viaDispatcher: bool = False
 ) -> Check:
-    """The proxy's listening socket and the broker process belong to this user."""
+    """The proxy's listening socket and the broker process belong to this user.
+
+    With a dispatcher the port is the dispatcher's (``checkDispatcher`` looks at it)."""
     me = os.getuid() if uid is None else uid
     name = "same user"
-    owners = listenerUids(port, procDir)
+    owners = set() if viaDispatcher else listenerUids(port, procDir)
     problems = []
-    if not owners:
+    if viaDispatcher:
+        pass
+    elif not owners:
         problems.append(f"no listening socket on port {port} in {procDir}/net/tcp*")
     elif owners != {me}:
-        problems.append(f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me}")
+        problems.append(
+            f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me} (on a machine "
+            "with several users, the system dispatcher shares the port: "
+            "`sudo systemctl enable --now agentsandbox-dispatch.socket`, see docs/dispatch.md)"
+        )
     if brokerPid is None:
         problems.append("the broker did not say its pid")
     else:
@@ -350,6 +358,82 @@ def checkSameUser(
             "`agentsandbox setup`); another user's proxy refuses this user's connections",
         )
     return Check(name, OK, f"the proxy and the broker run as uid {me}")
+
+
+DISPATCHER_FIX = "start the system dispatcher: `sudo systemctl enable --now agentsandbox-dispatch.socket`"
+
+
+def askDispatcher(path: str) -> dict[str, Any]:
+    """The dispatcher's status, plus ``answeredBy``: the uid of the socket's owner (SO_PEERCRED)."""
+    from agentsandbox.egress.dispatch import askStatus
+
+    return askStatus(path)
+
+
+def checkDispatcher(
+    config: Config,
+    environ: Mapping[str, str],
+    report: Mapping[str, Any] | None,
+    ask: Callable[[str], dict[str, Any]] = askDispatcher,
+    uid: int | None = None,
+    procDir: str = "/proc",
+) -> Check:
+    """Whether the service is bound directly or registered with a dispatcher, and
+    whether that dispatcher is absent, unreachable, or serving the port for someone else."""
+    from agentsandbox.egress.dispatch import DispatchQueryError
+    from agentsandbox.paths import locateDispatchSocket
+
+    name = "dispatcher"
+    me = os.getuid() if uid is None else uid
+    port = config.proxy.port
+    proxy = report.get("proxy") if report is not None else None
+    mode = proxy.get("mode") if isinstance(proxy, Mapping) else None
+    path = locateDispatchSocket(config.proxy.dispatch_socket, environ)
+    if path is None:
+        return Check(name, OK, "none configured (proxy.dispatch_socket = \"\"): the service binds the port itself")
+    if config.proxy.listen is not None:
+        return Check(name, OK, f"not used: proxy.listen = {config.proxy.listen!r} binds as told")
+    if not os.path.lexists(path):
+        return Check(name, OK, f"absent ({path} does not exist): the service binds 127.0.0.1:{port} itself")
+    try:
+        status = ask(path)
+    except DispatchQueryError as e:
+        return Check(
+            name, FAIL,
+            f"unreachable: {e}; your service keeps trying to register and serves nothing meanwhile",
+            f"{DISPATCHER_FIX} (or remove the stale {path} on a single-user machine)",
+        )  # fmt: skip
+    ports = [str(p) for p in status.get("ports") or ()]
+    if f"127.0.0.1:{port}" not in ports:
+        return Check(
+            name, FAIL,
+            f"the dispatcher on {path} serves {', '.join(ports) or 'no port'}, not proxy.port {port}: "
+            "your sandbox dials a port it does not serve",
+            f"set proxy.port to the dispatcher's port (the socket unit's ListenStream=) in {config.source}",
+        )  # fmt: skip
+    answeredBy = status.get("answeredBy")
+    owners = listenerUids(port, procDir)
+    if isinstance(answeredBy, int) and owners and answeredBy not in owners:
+        return Check(
+            name, FAIL,
+            f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not by the dispatcher (uid "
+            f"{answeredBy}): your sandbox's connections reach someone else's process",
+            f"stop what holds port {port} (`ss -ltnp 'sport = :{port}'`), then restart the dispatcher",
+        )  # fmt: skip
+    registered = {r.get("uid") for r in status.get("registered") or () if isinstance(r, Mapping)}
+    if me not in registered:
+        fix = SERVICE_FIX
+        if mode == "direct":
+            fix = "restart your service so it registers: `systemctl --user restart agentsandbox`"
+        return Check(
+            name, FAIL,
+            f"the dispatcher on {path} serves 127.0.0.1:{port} but no service of uid {me} is registered: "
+            "your sandbox's connections get 503",
+            fix,
+        )  # fmt: skip
+    if mode is not None and mode != "dispatcher":
+        return Check(name, FAIL, f"uid {me} is registered, but not by the service that answers the broker", SERVICE_FIX)
+    return Check(name, OK, f"registered with the dispatcher on {path} (pid {status.get('pid', '?')}, {', '.join(ports)})")
 
 
 def _tokenFix(rule: InjectRule) -> str:
@@ -437,6 +521,7 @@ class Inputs:
     procDir: str = "/proc"
     ask: Callable[[str, str], bytes] = askBroker
     connect: Callable[[int], str | None] = connectTCP
+    askDispatcher: Callable[[str], dict[str, Any]] = askDispatcher
 
     @classmethod
     def system(cls, environ: Mapping[str, str] | None = None) -> Inputs:
@@ -467,10 +552,16 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
         checks.append(brokerCheck)
         proxyCheck = checkProxy(config.proxy.port, inputs.connect)
         checks.append(proxyCheck)
+        dispatcherCheck = checkDispatcher(config, inputs.environ, report, inputs.askDispatcher, procDir=inputs.procDir)
+        checks.append(dispatcherCheck)
+        proxy = report.get("proxy") if report is not None else None
+        viaDispatcher = isinstance(proxy, dict) and proxy.get("mode") == "dispatcher"
         if not brokerCheck.failed and not proxyCheck.failed:
             pid = report.get("pid") if report is not None else None
             checks.append(
-                checkSameUser(config.proxy.port, pid if isinstance(pid, int) else None, procDir=inputs.procDir)
+                checkSameUser(
+                    config.proxy.port, pid if isinstance(pid, int) else None, procDir=inputs.procDir, viaDispatcher=viaDispatcher
+                )
             )
         checks.extend(checkTokens(config.inject, report))
         checks.append(checkBundle(paths.egressDir))

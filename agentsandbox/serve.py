@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from agentsandbox.config import Config, ConfigError, load, parse
-from agentsandbox.paths import Paths
+from agentsandbox.paths import DISPATCH_SOCKET_ENV, Paths
 
 
 def _freePort() -> int:
@@ -46,6 +46,7 @@ def _demoConfig(base: str) -> tuple[Config, dict[str, str], ThreadingHTTPServer]
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     env = dict(os.environ)
+    env.pop(DISPATCH_SOCKET_ENV, None)
     env.update(
         XDG_STATE_HOME=os.path.join(base, "state"),
         XDG_RUNTIME_DIR=os.path.join(base, "run"),
@@ -54,7 +55,8 @@ def _demoConfig(base: str) -> tuple[Config, dict[str, str], ThreadingHTTPServer]
     os.makedirs(env["XDG_RUNTIME_DIR"], mode=0o700)
     data = {
         "sandbox": {"domains": [f"127.0.0.1:{upstream.server_address[1]}", "github.com", "*.github.com"]},
-        "proxy": {"port": _freePort()},
+        # The demo binds its own free port, whatever dispatcher this machine runs.
+        "proxy": {"port": _freePort(), "dispatch_socket": ""},
         "inject": [],
     }
     return parse(data, "<demo: the built-in defaults, on a free port>", Paths.fromEnvironment(env)), env, upstream

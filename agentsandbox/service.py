@@ -24,6 +24,7 @@ from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
 from agentsandbox.egress.interfaces import Dialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService, tcpDialer
+from agentsandbox.paths import locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 from agentsandbox.tokens import TokenKeepers
@@ -119,7 +120,9 @@ class AgentSandbox(MultiService):
             terminator=self.injection.injector,
             audit=self.audit,  # type: ignore[arg-type]
         )
-        self.proxy = ProxyService(self.proxyFactory)
+        self.proxy = ProxyService(
+            self.proxyFactory, dispatchSocket=locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+        )
         self.proxy.setServiceParent(self)
 
         self.broker = BrokerService(config, reactor=reactor, clock=clock, procDir=procDir, environ=self.environ)
@@ -231,7 +234,7 @@ class AgentSandbox(MultiService):
         # so a long clone shows its bytes while it runs.
         open_ = list(self.proxyFactory.tunnels)
         return {
-            "listening": str(self.proxy.port.getHost()) if self.proxy.port is not None else None,
+            **self.proxy.figures(),
             "openTunnels": len(open_),
             "tunnelsClosed": events["tunnel"],
             "forwarded": events["forward"],

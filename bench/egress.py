@@ -142,7 +142,9 @@ def serveBare(port: int) -> None:
     exec(compile(BARE.replace("PORT", str(port)), "bare-twisted-splice", "exec"), {})
 
 
-def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str) -> None:
+def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str, dispatchSocket: str | None = None) -> None:
+    """The proxy with its real policy path; on ``port``, or registered with the
+    dispatcher on ``dispatchSocket`` (bench/dispatch.py)."""
     sys.path.insert(0, REPO)
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, textFileLogObserver
@@ -159,7 +161,7 @@ def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str) 
     config = loads(toml.encode(), "<bench>", Paths.fromEnvironment({"HOME": state}))
     audit = AuditLog(os.path.join(state, "audit.jsonl"), maxBytes=64 << 20)
     factory = EgressProxyFactory(config, reactor, audit=audit, spliceFast=fast)
-    ProxyService(factory).startService()
+    ProxyService(factory, dispatchSocket=dispatchSocket).startService()
     reactor.run()  # type: ignore[attr-defined,unused-ignore]
 
 

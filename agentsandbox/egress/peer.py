@@ -8,11 +8,13 @@ carries the owning uid.  Addresses there are hex, stored in host byte order per
 
 Reading those tables costs the kernel a walk of its whole connection hash
 (3.5 ms per read measured here, with four sockets open), which would cap the
-proxy near 300 new connections a second.  So ``SameUserPeers`` first asks the
+proxy near 300 new connections a second.  So ``SocketTable`` first asks the
 kernel for the one socket through ``sock_diag`` netlink (the same table,
 looked up by its 4-tuple, ~5 us), and reads ``/proc/net/tcp{,6}`` only where
 netlink is unavailable.  Both paths answer from the kernel's socket table; no
-path trusts anything the client says.
+path trusts anything the client says.  The proxy's same-user check
+(``SameUserPeers``) and the system dispatcher (``dispatch.py``, which hands each
+connection to its owner's service) both ask ``SocketTable.ownerOf``.
 """
 
 from __future__ import annotations
@@ -152,55 +154,29 @@ class SockDiag:
         return int(uid)
 
 
-@dataclass(frozen=True)
-class ProcNetPeers:
-    """The peer check from ``/proc/net/tcp`` and ``tcp6`` alone."""
-    """Allows only clients whose socket belongs to ``uid`` (default: ours)."""
-
-    procDir: str = "/proc"
-    uid: int = -1
-
-    def _uid(self) -> int:
-        return os.getuid() if self.uid < 0 else self.uid
-
-    def _read(self, name: str) -> str | None:
-        try:
-            with open(os.path.join(self.procDir, "net", name), encoding="ascii") as f:
-                return f.read()
-        except OSError:
-            return None
-
-    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
-        # A client on an IPv4 address is in tcp; tcp6 holds IPv6 and the
-        # IPv4-mapped sockets of dual-stack listeners, so read it only if needed.
-        names = ("tcp", "tcp6") if ":" not in client[0] else ("tcp6",)
-        found = False
-        for name in names:
-            table = self._read(name)
-            if table is None:
-                continue
-            found = True
-            uid = ownerOf([table], client, server)
-            if uid is not None:
-                if uid != self._uid():
-                    return f"its socket belongs to uid {uid}, not {self._uid()}"
-                return None
-        if not found:
-            return f"no socket table under {self.procDir}/net (the peer check runs on Linux only)"
-        return f"no socket of {client[0]}:{client[1]} in the socket table"
+class NoSocketTable(Exception):
+    """Neither sock_diag nor ``/proc/net/tcp{,6}`` answers here; says which was tried."""
 
 
-class SameUserPeers:
-    """The default peer check: the kernel's socket table, through sock_diag or /proc.
+def _readTable(procDir: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(procDir, "net", name), encoding="ascii") as f:
+            return f.read()
+    except OSError:
+        return None
 
-    ``procDir`` other than ``/proc`` (tests) always reads the files, since a
-    netlink answer describes this machine, not the given directory.
+
+class SocketTable:
+    """Who owns the client's end of a TCP connection, from the kernel's socket table.
+
+    Through sock_diag netlink when it can (one lookup by 4-tuple), else by reading
+    ``procDir/net/tcp{,6}``.  ``procDir`` other than ``/proc`` (tests) always reads
+    the files, since a netlink answer describes this machine, not the given
+    directory.  Both the proxy's same-user check and the dispatcher ask this.
     """
 
-    def __init__(self, procDir: str = "/proc", uid: int = -1, useNetlink: bool = True) -> None:
+    def __init__(self, procDir: str = "/proc", useNetlink: bool = True) -> None:
         self.procDir = procDir
-        self.uid = os.getuid() if uid < 0 else uid
-        self._proc = ProcNetPeers(procDir, self.uid)
         self._diag: SockDiag | None = None
         if useNetlink and procDir == "/proc" and sys.platform.startswith("linux"):
             try:
@@ -217,20 +193,84 @@ class SameUserPeers:
             self._diag.close()
             self._diag = None
 
-    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
+    def ownerOf(self, client: tuple[str, int], server: tuple[str, int]) -> int | None:
+        """The uid owning the socket at ``client`` connected to ``server``; None when
+        the table has no such socket.  Raises ``NoSocketTable`` when it cannot tell."""
         if self._diag is not None:
             try:
-                uid = self._diag.uidOf(client, server)
+                return self._diag.uidOf(client, server)
             except (OSError, ValueError):
-                uid = None
+                # A netlink socket that failed once is not trusted again.
                 self.close()
-            else:
-                if uid is None:
-                    return f"no socket of {client[0]}:{client[1]} in the socket table"
-                if uid != self.uid:
-                    return f"its socket belongs to uid {uid}, not {self.uid}"
-                return None
-        return self._proc.check(client, server)
+        return self._fromFiles(client, server)
+
+    def _fromFiles(self, client: tuple[str, int], server: tuple[str, int]) -> int | None:
+        # A client on an IPv4 address is in tcp; tcp6 holds IPv6 and the
+        # IPv4-mapped sockets of dual-stack listeners, so read it only if needed.
+        names = ("tcp", "tcp6") if ":" not in client[0] else ("tcp6",)
+        found = False
+        for name in names:
+            table = _readTable(self.procDir, name)
+            if table is None:
+                continue
+            found = True
+            uid = ownerOf([table], client, server)
+            if uid is not None:
+                return uid
+        if not found:
+            raise NoSocketTable(f"no socket table under {self.procDir}/net (the peer check runs on Linux only)")
+        return None
+
+
+def _verdict(owner: int | None, uid: int, client: tuple[str, int]) -> str | None:
+    if owner is None:
+        return f"no socket of {client[0]}:{client[1]} in the socket table"
+    if owner != uid:
+        return f"its socket belongs to uid {owner}, not {uid}"
+    return None
+
+
+@dataclass(frozen=True)
+class ProcNetPeers:
+    """The peer check from ``/proc/net/tcp`` and ``tcp6`` alone.
+
+    Allows only clients whose socket belongs to ``uid`` (default: ours)."""
+
+    procDir: str = "/proc"
+    uid: int = -1
+
+    def _uid(self) -> int:
+        return os.getuid() if self.uid < 0 else self.uid
+
+    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
+        try:
+            owner = SocketTable(self.procDir, useNetlink=False).ownerOf(client, server)
+        except NoSocketTable as e:
+            return str(e)
+        return _verdict(owner, self._uid(), client)
+
+
+class SameUserPeers:
+    """The default peer check: the client's socket must belong to ``uid`` (default: ours)."""
+
+    def __init__(self, procDir: str = "/proc", uid: int = -1, useNetlink: bool = True) -> None:
+        self.procDir = procDir
+        self.uid = os.getuid() if uid < 0 else uid
+        self.table = SocketTable(procDir, useNetlink)
+
+    @property
+    def viaNetlink(self) -> bool:
+        return self.table.viaNetlink
+
+    def close(self) -> None:
+        self.table.close()
+
+    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
+        try:
+            owner = self.table.ownerOf(client, server)
+        except NoSocketTable as e:
+            return str(e)
+        return _verdict(owner, self.uid, client)
 
 
 @dataclass(frozen=True)

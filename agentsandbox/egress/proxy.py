@@ -20,6 +20,7 @@ leaves open tunnels alone.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -903,15 +904,22 @@ class EgressProxyFactory(Factory):
 
 
 class ProxyService(Service):
-    """Listens on ``proxy.listen`` (default ``tcp:PORT:interface=127.0.0.1``) with the factory."""
+    """Listens on ``proxy.listen`` (default ``tcp:PORT:interface=127.0.0.1``) with the factory,
+    or, when the system dispatcher's registration socket ``dispatchSocket`` exists
+    (and ``proxy.listen`` is not set), registers there and serves the connections
+    it hands over (``register.py``) instead of binding the port."""
 
     log = Logger(namespace="agentsandbox.egress")
 
-    def __init__(self, factory: EgressProxyFactory, endpoint: str | None = None) -> None:
+    def __init__(self, factory: EgressProxyFactory, endpoint: str | None = None, dispatchSocket: str | None = None) -> None:
         self.factory = factory
         self.endpoint = endpoint
+        self.dispatchSocket = dispatchSocket
         self.port: IListeningPort | None = None
-        self.listening: Deferred[IListeningPort] | None = None
+        #: The registration with the dispatcher, when the service uses one.
+        self.registration: Any = None
+        #: Fires with the listening port, or the registration once first registered.
+        self.listening: Deferred[Any] | None = None
 
     def _configChanged(self, old: Config, new: Config) -> None:
         if self.endpoint is None and old.proxy.endpoint != new.proxy.endpoint:
@@ -923,9 +931,18 @@ class ProxyService(Service):
                 old=old.proxy.endpoint,
             )
 
+    def usesDispatcher(self) -> bool:
+        """Whether this start registers with the dispatcher rather than binding the port."""
+        config = self.factory.holder.current
+        path = self.dispatchSocket
+        return self.endpoint is None and config.proxy.listen is None and path is not None and os.path.exists(path)
+
     def startService(self) -> None:
         super().startService()
         self.factory.holder.subscribe(self._configChanged)
+        if self.usesDispatcher():
+            self._register()
+            return
         description = self.endpoint or self.factory.holder.current.proxy.endpoint
         ep = serverFromString(self.factory.reactor, description)
         d = ep.listen(self.factory)
@@ -937,10 +954,39 @@ class ProxyService(Service):
 
         self.listening = d.addCallback(listening)
 
+    def _register(self) -> None:
+        from agentsandbox.egress.register import DispatchRegistration
+
+        assert self.dispatchSocket is not None
+        first: Deferred[Any] = Deferred()
+        self.listening = first
+
+        def registered(registration: Any) -> None:
+            if not first.called:
+                first.callback(registration)
+
+        self.registration = DispatchRegistration(
+            self.factory, self.dispatchSocket, self.factory.reactor, onRegistered=registered
+        )
+        self.log.info("egress proxy: registering with the dispatcher on {path} instead of binding the port", path=self.dispatchSocket)
+        # No port starts the factory here (its sweeper of stale half-read connections).
+        self.factory.doStart()
+        self.registration.startService()
+
+    def figures(self) -> dict[str, Any]:
+        """How the proxy gets its connections, for ``status``."""
+        if self.registration is not None:
+            return {"mode": "dispatcher", "listening": None, "dispatcher": self.registration.figures()}
+        return {"mode": "direct", "listening": str(self.port.getHost()) if self.port is not None else None}
+
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
         self.factory.holder.unsubscribe(self._configChanged)
         self.factory.closeAll()
+        if self.registration is not None:
+            registration, self.registration = self.registration, None
+            registration.stopService()
+            self.factory.doStop()
         if self.port is not None:
             port, self.port = self.port, None
             return port.stopListening()

@@ -1,0 +1,995 @@
+"""The system dispatcher: one proxy port, each connection handed to its owner's service.
+
+The Claude Code drop-in names one proxy port for the whole machine.  On a machine
+with several people, ``agentsandbox dispatch`` owns that port (127.0.0.1 and ::1)
+and every user's agentsandbox service registers with it over a Unix socket
+instead of binding the port.  For each accepted TCP connection the dispatcher
+
+1. asks the kernel's socket table who owns the client's socket
+   (``peer.SocketTable``: the same sock_diag code as the proxy's peer check);
+2. passes the connected socket with ``SCM_RIGHTS`` to the service that uid
+   registered, and closes its own copy, **before reading any byte**;
+3. or, when that uid has no service, answers in the client's own protocol (the
+   first byte, peeked: SOCKS5 gets a general-failure reply, anything else an
+   HTTP 503 naming the uid and the fix) and logs one line.
+
+The registration's uid comes from ``SO_PEERCRED`` alone, never from anything
+the client sends.  One registration per uid: a new one replaces the old (which
+is told so and closed); a registration ends when its socket closes.
+
+The wire on the registration socket is JSON, one object per line, at most
+``MAX_LINE`` bytes (``LineReader`` is the sans-IO parser):
+
+- client -> dispatcher: ``{"op": "register"}``, ``{"op": "status"}``;
+- dispatcher -> client: ``{"op": "registered", "uid": U, "ports": [...]}``,
+  ``{"op": "conn"}`` carrying one file descriptor, ``{"op": "replaced"}``,
+  ``{"op": "status", ...}``, ``{"op": "error", "error": "..."}``.
+
+Sockets here are raw, not Twisted transports, on purpose: a handed-off socket
+must be closed, never shut down (a Twisted transport's close shuts the
+connection down for its new owner too), and a descriptor queued for sending
+must be closed exactly when the kernel has taken it, which Twisted's
+``sendFileDescriptor`` does not report.  They are still driven by the reactor
+(``IReadDescriptor``/``IWriteDescriptor``), under ``MultiService`` pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.application.service import MultiService, Service
+from twisted.internet.interfaces import IReadDescriptor, IReadWriteDescriptor
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from agentsandbox.config import DEFAULT_PROXY_PORT
+from agentsandbox.paths import DISPATCH_SOCKET
+
+log = Logger(namespace="agentsandbox.dispatch")
+
+#: Longest line on the registration socket; a longer one is refused.
+MAX_LINE = 4096
+#: Seconds a new registration-socket client has to say what it wants.
+SPEAK_TIMEOUT = 10.0
+#: Registration-socket clients of one uid that have not registered yet.
+UNREGISTERED_PER_UID = 16
+#: Connections queued for one registration while its socket is full.
+MAX_QUEUED = 1024
+#: Seconds an unserved client gets to send its first byte (and to read the refusal).
+REFUSAL_TIMEOUT = 10.0
+#: Unserved connections being answered at once; past it they are closed at once.
+MAX_REFUSING = 256
+#: Bytes of an unserved client's request read (and dropped) so that closing
+#: does not reset the connection before it read the refusal.
+DRAIN_LIMIT = 64 * 1024
+#: Connections accepted per readiness event of a listening socket.
+ACCEPT_BATCH = 64
+
+SERVICE_FIX = "`systemctl --user start agentsandbox`, or `agentsandbox serve`"
+
+_PEERCRED = struct.Struct("3i")
+#: Room for a few descriptors, so that a client sending some is seen doing it
+#: (and they are closed) rather than the kernel truncating them silently.
+_ANCILLARY = socket.CMSG_SPACE(16 * 4)
+
+
+# --------------------------------------------------------------------------- the wire (sans-IO)
+
+
+class WireError(Exception):
+    """A registration-socket message that is not one: says what was wrong."""
+
+
+class LineReader:
+    """Splits bytes into JSON objects, one per line, each at most ``MAX_LINE`` bytes."""
+
+    def __init__(self, limit: int = MAX_LINE) -> None:
+        self.limit = limit
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        buffer = self._buffer + data
+        *lines, rest = buffer.split(b"\n")
+        if len(rest) > self.limit:
+            self._buffer = b""
+            raise WireError(f"a message longer than {self.limit} bytes")
+        self._buffer = rest
+        messages = []
+        for line in lines:
+            if len(line) > self.limit:
+                raise WireError(f"a message longer than {self.limit} bytes")
+            try:
+                message = json.loads(line)
+            except (UnicodeDecodeError, ValueError):
+                raise WireError("a message that is not JSON") from None
+            if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+                raise WireError('a message that is not a JSON object with an "op"')
+            messages.append(message)
+        return messages
+
+    @property
+    def pending(self) -> int:
+        return len(self._buffer)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+#: The line each handed-off descriptor travels with.
+CONN = encode({"op": "conn"})
+
+
+def peerCredentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, from the kernel."""
+    pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def _address(sockaddr: Any) -> tuple[str, int]:
+    return (str(sockaddr[0]), int(sockaddr[1]))
+
+
+def _showAddress(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# --------------------------------------------------------------------------- refusing unserved clients
+
+
+def refusalText(uid: int) -> str:
+    return (
+        f"no agentsandbox service is registered with the dispatcher for uid {uid}: start yours "
+        f"with {SERVICE_FIX}, then retry"
+    )
+
+
+class _RawTransport:
+    """Just enough of a transport for ``SocksHandler``: writes to the raw socket."""
+
+    def __init__(self, refusal: _Refusal) -> None:
+        self.refusal = refusal
+
+    def write(self, data: bytes) -> None:
+        self.refusal.send(data)
+
+    def loseConnection(self) -> None:
+        self.refusal.finish()
+
+    def abortConnection(self) -> None:
+        self.refusal.close()
+
+
+class _RefusingDoor:
+    """What ``SocksHandler`` asks of a front door, answering every request "general failure"."""
+
+    def __init__(self, refusal: _Refusal) -> None:
+        self.transport = _RawTransport(refusal)
+
+    def parseError(self, kind: str, why: str, answer: bytes) -> None:
+        if answer:
+            self.transport.write(answer)
+        self.transport.loseConnection()
+
+    def buffered(self, data: bytes) -> None:
+        pass
+
+    def openTunnel(self, kind: str, host: str, port: int, granted: Callable[[], None], refused: Callable[[Any], None]) -> None:
+        from agentsandbox.egress.proxy import Refusal
+
+        # The host is never logged or kept: the dispatcher serves no one's traffic.
+        refused(Refusal("limit", "no service registered"))
+
+
+@implementer(IReadDescriptor)
+class _Refusal:
+    """One connection of a uid without a service: answered in its protocol, then closed.
+
+    The first byte is peeked, not consumed.  A SOCKS5 client is walked through
+    its greeting to a general-failure reply (the proxy's own parser does it);
+    an HTTP client gets the 503 at once.  What the client sends is read only
+    to be dropped (at most ``DRAIN_LIMIT`` bytes): closing a socket with unread
+    bytes resets the connection, and the client might never read the refusal.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, sock: socket.socket, uid: int | None) -> None:
+        self.dispatcher = dispatcher
+        self.sock = sock
+        self.uid = uid
+        self.socks: Any = None
+        self.drained = 0
+        self.closed = False
+        self.finished = False
+        sock.setblocking(False)
+        self.timer = dispatcher.clock.callLater(REFUSAL_TIMEOUT, self.close)
+        dispatcher.refusing.add(self)
+        dispatcher.reactor.addReader(self)
+
+    def fileno(self) -> int:
+        return self.sock.fileno() if not self.closed else -1
+
+    def logPrefix(self) -> str:
+        return "dispatch-refusal"
+
+    def doRead(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self.socks is None and not self.finished:
+                first = self.sock.recv(1, socket.MSG_PEEK)
+                if not first:
+                    self.close()
+                    return
+                if not self._answer(first[0]):
+                    return
+            data = self.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        if not data:
+            self.close()
+            return
+        self.drained += len(data)
+        if self.drained > DRAIN_LIMIT:
+            self.close()
+        elif self.socks is not None and not self.finished:
+            self.socks.dataReceived(data)
+
+    def _answer(self, first: int) -> bool:
+        """Answers by the first byte; False when the connection is closed already."""
+        from agentsandbox.egress.http import errorReply
+        from agentsandbox.egress.socks import VERSION, SocksHandler
+
+        uid = "?" if self.uid is None else str(self.uid)
+        if first == VERSION:
+            log.info("uid {uid} has no registered service: SOCKS5 connection refused", uid=uid)
+            self.socks = SocksHandler(_RefusingDoor(self))  # type: ignore[arg-type]
+            return True
+        log.info("uid {uid} has no registered service: HTTP connection answered 503", uid=uid)
+        self.send(errorReply(503, refusalText(self.uid) if self.uid is not None else "no agentsandbox service for this connection"))
+        self.finish()
+        return not self.closed
+
+    def send(self, data: bytes) -> None:
+        # A refusal is a few hundred bytes on a fresh socket: it fits, or the
+        # client is gone.
+        try:
+            self.sock.send(data)
+        except OSError:
+            self.close()
+
+    def finish(self) -> None:
+        """The answer is out: no more to say; read what comes until EOF, then close."""
+        self.finished = True
+        if not self.closed:
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer.active():
+            self.timer.cancel()
+        self.dispatcher.reactor.removeReader(self)
+        self.dispatcher.refusing.discard(self)
+        self.sock.close()
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- registration-socket clients
+
+
+@implementer(IReadWriteDescriptor)
+class Client:
+    """One connection on the registration socket: a registration, or a status question.
+
+    Its uid is the kernel's (``SO_PEERCRED``) and fixed at accept.  Outgoing
+    lines (and the descriptors they carry) are queued and sent in order when
+    the socket can take them; a descriptor is closed here the moment the
+    kernel has taken it.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, sock: socket.socket) -> None:
+        self.dispatcher = dispatcher
+        self.sock = sock
+        self.pid, self.uid = peerCredentials(sock)
+        self.reader = LineReader()
+        #: (bytes, the socket they carry or None), oldest first.
+        self.outgoing: deque[tuple[bytes, socket.socket | None]] = deque()
+        self.registered = False
+        self.closed = False
+        self.closeWhenFlushed = False
+        self.writing = False
+        self.handedOff = 0
+        self.since = time.time()
+        self.timer: Any = dispatcher.clock.callLater(dispatcher.speakTimeout, self._silent)
+        dispatcher.reactor.addReader(self)
+
+    def fileno(self) -> int:
+        return self.sock.fileno() if not self.closed else -1
+
+    def logPrefix(self) -> str:
+        return "dispatch-registration"
+
+    def _silent(self) -> None:
+        self.timer = None
+        log.warn(
+            "registration socket: uid {uid} (pid {pid}) connected and said nothing for {s:g}s; closed",
+            uid=self.uid, pid=self.pid, s=self.dispatcher.speakTimeout,
+        )  # fmt: skip
+        self.close()
+
+    # ------------------------------------------------------------------ reading
+
+    def doRead(self) -> None:
+        if self.closed:
+            return
+        try:
+            data, ancillary, flags, _ = self.sock.recvmsg(65536, _ANCILLARY)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self.close(f"read failed: {e.strerror or e}")
+            return
+        descriptors = _descriptorsIn(ancillary)
+        if descriptors or flags & socket.MSG_CTRUNC:
+            for fd in descriptors:
+                os.close(fd)
+            self.refuse("sent file descriptors to the dispatcher (it takes none); they were closed")
+            return
+        if not data:
+            self.close()
+            return
+        try:
+            messages = self.reader.feed(data)
+        except WireError as e:
+            self.refuse(f"sent {e}")
+            return
+        for message in messages:
+            if self.closed or self.closeWhenFlushed:
+                return
+            self._handle(message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        op = message["op"]
+        if op == "register":
+            if self.registered:
+                self.refuse("registered twice on one connection")
+                return
+            # Whatever else the message says (a "uid", say) is ignored: the
+            # registration is for the uid the kernel reports.
+            self.dispatcher.register(self)
+        elif op == "status":
+            self.send(encode(dict(self.dispatcher.status(), op="status")))
+            if not self.registered:
+                self.closeWhenFlushed = True
+                self._flush()
+        else:
+            self.refuse(f"sent an unknown op {op[:40]!r} (register or status)")
+
+    def refuse(self, why: str) -> None:
+        """Bad input: one log line, an error line back, and this connection closed."""
+        log.warn("registration socket: uid {uid} (pid {pid}) {why}; closed", uid=self.uid, pid=self.pid, why=why)
+        self.outgoing.clear()
+        self.send(encode({"op": "error", "error": why}))
+        self.closeWhenFlushed = True
+        self._flush()
+
+    # ------------------------------------------------------------------ writing
+
+    def send(self, data: bytes, carrying: socket.socket | None = None) -> None:
+        self.outgoing.append((data, carrying))
+        if not self.writing:
+            self._flush()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for _, s in self.outgoing if s is not None)
+
+    def _flush(self) -> None:
+        while self.outgoing and not self.closed:
+            data, carrying = self.outgoing[0]
+            try:
+                if carrying is not None:
+                    sent = socket.send_fds(self.sock, [data], [carrying.fileno()])
+                else:
+                    sent = self.sock.send(data)
+            except BlockingIOError:
+                self._wantWrite(True)
+                return
+            except OSError as e:
+                self.close(f"send failed: {e.strerror or e}")
+                return
+            self.outgoing.popleft()
+            if carrying is not None:
+                # The kernel holds the descriptor now: our copy goes.
+                carrying.close()
+                self.handedOff += 1
+            if sent < len(data):
+                self.outgoing.appendleft((data[sent:], None))
+        self._wantWrite(False)
+        if self.closeWhenFlushed and not self.outgoing:
+            self.close()
+
+    def _wantWrite(self, want: bool) -> None:
+        if want and not self.writing and not self.closed:
+            self.writing = True
+            self.dispatcher.reactor.addWriter(self)
+        elif not want and self.writing:
+            self.writing = False
+            self.dispatcher.reactor.removeWriter(self)
+
+    def doWrite(self) -> None:
+        self.writing = True
+        self._flush()
+
+    def handOff(self, conn: socket.socket) -> bool:
+        """Queue one accepted connection for this registration; False when it is full."""
+        if self.closed or self.closeWhenFlushed or self.queued >= MAX_QUEUED:
+            return False
+        self.send(CONN, conn)
+        return True
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self, why: str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        reactor = self.dispatcher.reactor
+        reactor.removeReader(self)
+        if self.writing:
+            reactor.removeWriter(self)
+            self.writing = False
+        unsent = [s for _, s in self.outgoing if s is not None]
+        self.outgoing.clear()
+        self.sock.close()
+        self.dispatcher.clientClosed(self, unsent, why)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.close()
+
+
+def _descriptorsIn(ancillary: Iterable[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+    return fds
+
+
+# --------------------------------------------------------------------------- the dispatcher
+
+
+@dataclass(frozen=True)
+class RegistrationFigures:
+    uid: int
+    handedOff: int
+    queued: int
+    registeredFor: float
+
+
+class Dispatcher:
+    """The registry (uid -> registration) and the decision for each accepted connection."""
+
+    def __init__(self, reactor: Any, owners: Any = None, clock: Any = None, speakTimeout: float = SPEAK_TIMEOUT) -> None:
+        from agentsandbox.egress.peer import SocketTable
+
+        self.reactor = reactor
+        self.clock = clock if clock is not None else reactor
+        self.speakTimeout = speakTimeout
+        #: Who owns a client socket: ``SocketTable.ownerOf(client, server)``.
+        self.owners = owners if owners is not None else SocketTable()
+        self.registrations: dict[int, Client] = {}
+        self.clients: set[Client] = set()
+        self.refusing: set[_Refusal] = set()
+        self.ports: list[str] = []
+        self.started = time.time()
+        self.handedOff = 0
+        self.unserved: Counter[int] = Counter()
+        self.unknownPeers = 0
+        self.badClients = 0
+
+    # ------------------------------------------------------------------ registrations
+
+    def clientConnected(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            pid, uid = peerCredentials(sock)
+        except OSError as e:
+            log.warn("registration socket: a client without credentials ({e}); closed", e=e)
+            sock.close()
+            return
+        waiting = sum(1 for c in self.clients if c.uid == uid and not c.registered)
+        if waiting >= UNREGISTERED_PER_UID:
+            log.warn(
+                "registration socket: uid {uid} (pid {pid}) has {n} connections that have not "
+                "registered; this one is closed",
+                uid=uid, pid=pid, n=waiting,
+            )  # fmt: skip
+            self.badClients += 1
+            sock.close()
+            return
+        self.clients.add(Client(self, sock))
+
+    def register(self, client: Client) -> None:
+        old = self.registrations.get(client.uid)
+        client.registered = True
+        self.registrations[client.uid] = client
+        client.send(encode({"op": "registered", "uid": client.uid, "ports": self.ports}))
+        if old is not None and not old.closed:
+            # The newer registration gets every connection from now on, and the
+            # ones still queued for the old one.
+            moved = [s for _, s in old.outgoing if s is not None]
+            old.outgoing = deque(item for item in old.outgoing if item[1] is None)
+            old.registered = False
+            old.send(encode({"op": "replaced"}))
+            old.closeWhenFlushed = True
+            old._flush()
+            for conn in moved:
+                if not client.handOff(conn):
+                    self.refuse(conn, client.uid)
+            log.info(
+                "uid {uid}: a new registration (pid {pid}) replaces the one of pid {old}",
+                uid=client.uid, pid=client.pid, old=old.pid,
+            )  # fmt: skip
+        else:
+            log.info("uid {uid} registered (pid {pid})", uid=client.uid, pid=client.pid)
+
+    def clientClosed(self, client: Client, unsent: list[socket.socket], why: str | None) -> None:
+        self.clients.discard(client)
+        if self.registrations.get(client.uid) is client:
+            del self.registrations[client.uid]
+            log.info(
+                "uid {uid}: registration of pid {pid} ended{why}; its connections get the 503 until it registers again",
+                uid=client.uid, pid=client.pid, why=f" ({why})" if why else "",
+            )  # fmt: skip
+        for conn in unsent:
+            successor = self.registrations.get(client.uid)
+            if successor is None or not successor.handOff(conn):
+                self.refuse(conn, client.uid)
+
+    # ------------------------------------------------------------------ connections
+
+    def connectionAccepted(self, conn: socket.socket, client: tuple[str, int], server: tuple[str, int]) -> None:
+        """Hand ``conn`` to its owner's service, or refuse it; no byte of it is read here."""
+        try:
+            uid = self.owners.ownerOf(client, server)
+        except Exception as e:
+            log.warn("cannot tell who owns {client}: {e}; closed", client=_showAddress(client), e=e)
+            uid = None
+        if uid is None:
+            self.unknownPeers += 1
+            log.warn("no socket of {client} in the kernel's socket table; closed", client=_showAddress(client))
+            conn.close()
+            return
+        registration = self.registrations.get(uid)
+        if registration is not None and registration.handOff(conn):
+            self.handedOff += 1
+            return
+        if registration is not None:
+            log.warn("uid {uid}'s service is not taking connections ({n} queued)", uid=uid, n=registration.queued)
+        self.refuse(conn, uid)
+
+    def refuse(self, conn: socket.socket, uid: int | None) -> None:
+        if uid is not None:
+            self.unserved[uid] += 1
+        if len(self.refusing) >= MAX_REFUSING:
+            conn.close()
+            return
+        _Refusal(self, conn, uid)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Registered uids and counts; never a path or a byte of payload."""
+        now = time.time()
+        registered = [
+            RegistrationFigures(uid, c.handedOff, c.queued, round(now - c.since, 1))
+            for uid, c in sorted(self.registrations.items())
+        ]
+        return {
+            "pid": os.getpid(),
+            "uptime": round(now - self.started, 1),
+            "ports": list(self.ports),
+            "registered": [r.__dict__ for r in registered],
+            "handedOff": self.handedOff,
+            "unserved": {str(uid): n for uid, n in sorted(self.unserved.items())},
+            "unknownPeers": self.unknownPeers,
+            "refusedClients": self.badClients,
+        }
+
+    def closeAll(self) -> None:
+        for client in list(self.clients):
+            client.close("the dispatcher is stopping")
+        for refusal in list(self.refusing):
+            refusal.close()
+
+
+# --------------------------------------------------------------------------- listening sockets
+
+
+@implementer(IReadDescriptor)
+class _Acceptor:
+    """A listening socket in the reactor; each accepted socket goes to ``accepted``."""
+
+    def __init__(self, sock: socket.socket, accepted: Callable[[socket.socket, Any], None]) -> None:
+        self.sock = sock
+        self.accepted = accepted
+        sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def logPrefix(self) -> str:
+        return "dispatch-listener"
+
+    def doRead(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, address = self.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                # Out of descriptors or memory: say so, and try at the next event.
+                log.error("accept on {where} failed: {e}", where=self.sock.getsockname(), e=e.strerror or e)
+                return
+            self.accepted(conn, address)
+
+    def connectionLost(self, reason: Failure) -> None:
+        pass
+
+
+class ListeningService(Service):
+    """One listening socket, read by the reactor while the service runs."""
+
+    def __init__(self, reactor: Any, sock: socket.socket, accepted: Callable[[socket.socket, Any], None], cleanup: str | None = None) -> None:
+        self.reactor = reactor
+        self.acceptor = _Acceptor(sock, accepted)
+        #: A socket file this service created and removes when it stops.
+        self.cleanup = cleanup
+
+    def startService(self) -> None:
+        super().startService()
+        self.reactor.addReader(self.acceptor)
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.reactor.removeReader(self.acceptor)
+        self.acceptor.sock.close()
+        if self.cleanup is not None:
+            try:
+                os.unlink(self.cleanup)
+            except OSError:
+                pass
+
+
+class DispatchService(MultiService):
+    """The dispatcher: its listening sockets (children) and the ``Dispatcher`` they feed."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        tcp: list[socket.socket],
+        registration: list[socket.socket],
+        *,
+        owners: Any = None,
+        clock: Any = None,
+        speakTimeout: float = SPEAK_TIMEOUT,
+        createdSocket: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.reactor = reactor
+        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout)
+        for sock in tcp:
+            local = _address(sock.getsockname())
+            self.dispatcher.ports.append(_showAddress(local))
+            ListeningService(reactor, sock, self._tcpAccepted(local)).setServiceParent(self)
+        for sock in registration:
+            ListeningService(reactor, sock, lambda conn, _: self.dispatcher.clientConnected(conn), createdSocket).setServiceParent(self)
+
+    def _tcpAccepted(self, local: tuple[str, int]) -> Callable[[socket.socket, Any], None]:
+        # A listener bound to one address gives every connection that address;
+        # a wildcard one (a socket unit's choice) needs getsockname per connection.
+        wildcard = local[0] in ("0.0.0.0", "::")
+
+        def accepted(conn: socket.socket, address: Any) -> None:
+            server = _address(conn.getsockname()) if wildcard else local
+            self.dispatcher.connectionAccepted(conn, _address(address), server)
+
+        return accepted
+
+    def stopService(self) -> Any:
+        self.dispatcher.closeAll()
+        return super().stopService()
+
+
+def inheritedSockets(environ: dict[str, str] | None = None) -> tuple[list[socket.socket], list[socket.socket]] | None:
+    """(TCP, Unix) listening sockets systemd passed this process, or None without socket activation.
+
+    Each descriptor is sorted by its family, not its position, so the socket
+    unit's order of ``ListenStream=`` lines does not matter (Twisted 22.4 has no
+    lookup by ``FileDescriptorName=``, and none is needed here).
+    """
+    env = os.environ if environ is None else environ
+    if env.get("LISTEN_PID") != str(os.getpid()) or not env.get("LISTEN_FDS", "").isdigit():
+        return None
+    tcp: list[socket.socket] = []
+    unix: list[socket.socket] = []
+    for fd in range(3, 3 + int(env["LISTEN_FDS"])):
+        os.set_inheritable(fd, False)
+        sock = socket.socket(fileno=fd)
+        if sock.family == socket.AF_UNIX:
+            unix.append(sock)
+        elif sock.family in (socket.AF_INET, socket.AF_INET6):
+            tcp.append(sock)
+        else:
+            log.warn("an inherited descriptor {fd} of family {family} is not used", fd=fd, family=sock.family)
+            sock.close()
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(name, None)
+    return tcp, unix
+
+
+class DispatchStartError(Exception):
+    """The dispatcher cannot listen: says where and why."""
+
+
+def bindTCP(port: int) -> list[socket.socket]:
+    """Listening sockets on 127.0.0.1:port and [::1]:port (the second only where IPv6 is)."""
+    sockets: list[socket.socket] = []
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            log.warn("no {host} listener: {e}", host=host, e=e.strerror or e)
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+        except OSError as e:
+            sock.close()
+            if family == socket.AF_INET6 and e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                log.warn("no [::1]:{port} listener: {e}", port=port, e=e.strerror or e)
+                continue
+            for s in sockets:
+                s.close()
+            raise DispatchStartError(f"cannot listen on {_showAddress((host, port))}: {e.strerror or e} (another agentsandbox on the port?)") from None
+        sockets.append(sock)
+    return sockets
+
+
+def bindRegistration(path: str) -> socket.socket:
+    """The registration socket at ``path``, mode 0666, in a directory made 0755 if missing.
+
+    A stale socket file (nobody accepts on it) is replaced; a live one means
+    another dispatcher runs, and this one does not start.
+    """
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise DispatchStartError(f"{path} exists and is not a socket; remove it or pass --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)
+        else:
+            raise DispatchStartError(f"another dispatcher accepts on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        # Every user registers here; who they are comes from SO_PEERCRED, not the mode.
+        os.chmod(path, 0o666)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise DispatchStartError(f"cannot listen on {path}: {e.strerror or e}") from None
+    return sock
+
+
+def makeService(
+    reactor: Any, port: int, socketPath: str, environ: dict[str, str] | None = None, **kwargs: Any
+) -> DispatchService:
+    """The dispatcher on inherited sockets (socket activation), else on ``port`` and ``socketPath``."""
+    inherited = inheritedSockets(environ)
+    if inherited is not None:
+        tcp, unix = inherited
+        if not tcp or not unix:
+            raise DispatchStartError(
+                "socket activation passed no TCP socket or no Unix socket (agentsandbox-dispatch.socket "
+                "needs ListenStream= lines for both)"
+            )
+        return DispatchService(reactor, tcp, unix, **kwargs)
+    bound = bindTCP(port)
+    try:
+        registration = bindRegistration(socketPath)
+    except DispatchStartError:
+        for s in bound:
+            s.close()
+        raise
+    return DispatchService(reactor, bound, [registration], createdSocket=socketPath, **kwargs)
+
+
+# --------------------------------------------------------------------------- asking a dispatcher
+
+
+class DispatchQueryError(Exception):
+    pass
+
+
+def askStatus(path: str, timeout: float = 3.0) -> dict[str, Any]:
+    """The dispatcher's status reply, asked over its registration socket, with
+    ``answeredBy``: the uid that listens on it (the kernel's SO_PEERCRED)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            _, answeredBy = peerCredentials(sock)
+            sock.sendall(encode({"op": "status"}))
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as e:
+            raise DispatchQueryError(f"no dispatcher answers on {path}: {e.strerror or e}") from None
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        raise DispatchQueryError(f"the dispatcher on {path} answered something that is not JSON") from None
+    if not isinstance(reply, dict) or reply.get("op") != "status":
+        raise DispatchQueryError(f"the dispatcher on {path} answered {str(reply)[:200]}")
+    reply["answeredBy"] = answeredBy
+    return reply
+
+
+def statusText(status: dict[str, Any]) -> str:
+    lines = [
+        f"dispatcher  pid {status.get('pid', '?')}, up {status.get('uptime', '?')}s, "
+        f"ports {', '.join(status.get('ports') or ()) or 'none'}",
+        f"handed off  {status.get('handedOff', 0)} connections",
+    ]
+    registered = status.get("registered") or []
+    if not registered:
+        lines.append("registered  no service")
+    for i, r in enumerate(registered):
+        lines.append(
+            ("registered  " if i == 0 else "            ")
+            + f"uid {r.get('uid')}: {r.get('handedOff', 0)} handed off, {r.get('queued', 0)} queued, "
+            f"for {r.get('registeredFor', 0)}s"
+        )
+    unserved = status.get("unserved") or {}
+    if unserved:
+        lines.append("unserved    " + ", ".join(f"uid {u}: {n}" for u, n in unserved.items()))
+    lines.append(f"unknown     {status.get('unknownPeers', 0)} peers not in the socket table, "
+                 f"{status.get('refusedClients', 0)} registration clients refused")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="agentsandbox dispatch",
+        description="The system dispatcher: owns the proxy port for every user of this machine and "
+        "hands each connection to its owner's agentsandbox service.  Runs in the foreground "
+        "(systemd: agentsandbox-dispatch.socket).",
+    )
+    parser.add_argument("--port", type=int, help=f"the proxy port (default: the config's proxy.port, {DEFAULT_PROXY_PORT})")
+    parser.add_argument("--socket", help=f"the registration socket (default: {DISPATCH_SOCKET})")
+    parser.add_argument("--config", help="config file for proxy.port (default: the usual lookup)")
+    parser.add_argument(
+        "--speak-timeout", type=float, default=SPEAK_TIMEOUT, metavar="SECONDS",
+        help=f"how long a registration-socket client may stay silent before it is closed (default {SPEAK_TIMEOUT:g})",
+    )  # fmt: skip
+    parser.add_argument("--status", action="store_true", help="ask the running dispatcher for its status, then exit")
+    parser.add_argument("--json", action="store_true", help="with --status: print it as JSON")
+    args = parser.parse_args(argv)
+    path = args.socket or DISPATCH_SOCKET
+
+    if args.status:
+        try:
+            status = askStatus(path)
+        except DispatchQueryError as e:
+            print(f"agentsandbox dispatch: {e}", file=sys.stderr)
+            return 1
+        status.pop("op", None)
+        sys.stdout.write(json.dumps(status, indent=2, sort_keys=True) + "\n" if args.json else statusText(status))
+        return 0
+
+    port = args.port
+    activated = os.environ.get("LISTEN_PID") == str(os.getpid())
+    if port is None and not activated:
+        from agentsandbox.config import ConfigError, load
+
+        try:
+            port = load(args.config).proxy.port
+        except ConfigError as e:
+            print(f"agentsandbox dispatch: {e}", file=sys.stderr)
+            return 1
+    if port is not None and not 0 < port < 65536:
+        print(f"agentsandbox dispatch: --port {port} is not a port from 1 to 65535", file=sys.stderr)
+        return 2
+    if not args.speak_timeout > 0:
+        print("agentsandbox dispatch: --speak-timeout must be positive", file=sys.stderr)
+        return 2
+    return _run(port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout)
+
+
+def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
+    from twisted.internet import reactor as installed
+    from twisted.logger import globalLogBeginner, textFileLogObserver
+
+    reactor: Any = installed
+    globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
+    _raiseDescriptorLimit()
+    try:
+        service = makeService(reactor, port, path, speakTimeout=speakTimeout)
+    except DispatchStartError as e:
+        print(f"agentsandbox dispatch: {e}", file=sys.stderr)
+        return 1
+
+    def start() -> None:
+        service.startService()
+        log.info(
+            "dispatching {ports} to registered services (registration socket {path})",
+            ports=", ".join(service.dispatcher.ports), path="from systemd" if activated else path,
+        )  # fmt: skip
+
+    reactor.callWhenRunning(start)
+    reactor.addSystemEventTrigger("before", "shutdown", lambda: service.stopService() if service.running else None)
+    reactor.run()
+    return 0
+
+
+def _raiseDescriptorLimit() -> None:
+    # Descriptors in flight to a service count against this process's limit
+    # until that service reads them.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -1,0 +1,243 @@
+"""The user side of the dispatcher: register, receive connections, adopt them.
+
+When the system dispatcher's registration socket exists, a user's service
+connects to it instead of binding the proxy port.  The dispatcher sends each
+connection whose client socket belongs to this user as a file descriptor
+(``SCM_RIGHTS``, one per ``{"op": "conn"}`` line; the wire is ``dispatch.py``'s);
+each one is adopted into the same ``EgressProxyFactory`` a bound port would
+feed (``IReactorSocket.adoptStreamConnection``), so the front door runs its own
+same-user peer check on it exactly as on a connection it accepted itself.
+
+A lost registration (the dispatcher stopped or restarted) is retried with a
+backoff capped at ``MAX_BACKOFF``; a *replaced* one (another service of this
+user registered since) is not: that one serves from now on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.interfaces import IFileDescriptorReceiver
+from twisted.internet.protocol import ClientFactory, Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from agentsandbox.egress.dispatch import LineReader, WireError, encode, peerCredentials
+
+log = Logger(namespace="agentsandbox.egress")
+
+#: First and longest wait before registering again after a loss.
+FIRST_BACKOFF = 0.05
+MAX_BACKOFF = 1.0
+
+CONNECTING = "connecting"
+REGISTERED = "registered"
+REPLACED = "replaced"
+STOPPED = "stopped"
+
+
+@implementer(IFileDescriptorReceiver)
+class _RegistrationProtocol(Protocol):
+    #: A Unix client transport (IUNIXTransport, with getHandle).
+    transport: Any
+
+    def __init__(self, owner: DispatchRegistration) -> None:
+        self.owner = owner
+        self.reader = LineReader()
+        self.descriptors: deque[int] = deque()
+
+    def connectionMade(self) -> None:
+        try:
+            self.owner.dispatcherPid, self.owner.dispatcherUid = peerCredentials(self.transport.getHandle())
+        except OSError:
+            pass
+        self.transport.write(encode({"op": "register"}))
+
+    def fileDescriptorReceived(self, descriptor: int) -> None:
+        self.descriptors.append(descriptor)
+
+    def dataReceived(self, data: bytes) -> None:
+        try:
+            messages = self.reader.feed(data)
+        except WireError as e:
+            log.error("the dispatcher sent {why}; registering again", why=e)
+            self.transport.loseConnection()
+            return
+        for message in messages:
+            op = message["op"]
+            if op == "conn":
+                if not self.descriptors:
+                    log.error("the dispatcher announced a connection without a descriptor; registering again")
+                    self.transport.loseConnection()
+                    return
+                self.owner.adopt(self.descriptors.popleft())
+            elif op == "registered":
+                self.owner.registered(message)
+            elif op == "replaced":
+                self.owner.replaced()
+            elif op == "error":
+                log.error("the dispatcher refused this service: {why}", why=str(message.get("error"))[:300])
+        # A descriptor with no line is the dispatcher's mistake; not adopted.
+        while len(self.descriptors) > 16:
+            os.close(self.descriptors.popleft())
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        while self.descriptors:
+            os.close(self.descriptors.popleft())
+        self.owner.lost(reason)
+
+
+class _Factory(ClientFactory):
+    noisy = False
+
+    def __init__(self, owner: DispatchRegistration) -> None:
+        self.owner = owner
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return _RegistrationProtocol(self.owner)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.owner.lost(reason)
+
+
+class DispatchRegistration(Service):
+    """Keeps this user's service registered with the dispatcher at ``path``.
+
+    ``factory`` is the proxy's ``EgressProxyFactory``; every adopted connection
+    goes to it.  ``reactor`` must provide ``IReactorUNIX`` and ``IReactorSocket``.
+    """
+
+    def __init__(
+        self,
+        factory: Any,
+        path: str,
+        reactor: Any,
+        clock: Any = None,
+        onRegistered: Callable[[DispatchRegistration], None] | None = None,
+    ) -> None:
+        self.factory = factory
+        self.onRegistered = onRegistered
+        self.path = path
+        self.reactor = reactor
+        self.clock = clock if clock is not None else reactor
+        self.state = STOPPED
+        #: The uid the dispatcher registered us as (from its SO_PEERCRED), once registered.
+        self.uid: int | None = None
+        self.ports: list[str] = []
+        self.dispatcherPid: int | None = None
+        self.dispatcherUid: int | None = None
+        self.adopted = 0
+        self.registrations = 0
+        self.lastError: str | None = None
+        self._backoff = FIRST_BACKOFF
+        self._retry: Any = None
+        self._connector: Any = None
+        self._everRegistered = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def startService(self) -> None:
+        super().startService()
+        self._connect()
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.state = STOPPED
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+        if self._connector is not None:
+            self._connector.disconnect()
+            self._connector = None
+
+    def _connect(self) -> None:
+        self._retry = None
+        self.state = CONNECTING
+        self._connector = self.reactor.connectUNIX(self.path, _Factory(self), timeout=5)
+
+    # ------------------------------------------------------------------ events from the protocol
+
+    def registered(self, message: dict[str, Any]) -> None:
+        self.state = REGISTERED
+        self.registrations += 1
+        self._backoff = FIRST_BACKOFF
+        self.lastError = None
+        uid = message.get("uid")
+        self.uid = uid if isinstance(uid, int) else None
+        ports = message.get("ports")
+        self.ports = [str(p) for p in ports] if isinstance(ports, list) else []
+        if self.uid is not None and self.uid != os.getuid():
+            # Cannot happen with a real dispatcher (the uid is our SO_PEERCRED);
+            # the peer check would refuse every connection anyway.
+            log.critical("the dispatcher on {path} registered this service as uid {uid}, not {me}", path=self.path, uid=self.uid, me=os.getuid())
+        log.info(
+            "egress proxy {again}registered with the dispatcher on {path} (serving {ports} for uid {uid})",
+            again="re-" if self._everRegistered else "", path=self.path, ports=", ".join(self.ports) or "?", uid=self.uid,
+        )  # fmt: skip
+        self._everRegistered = True
+        if self.onRegistered is not None:
+            self.onRegistered(self)
+
+    def replaced(self) -> None:
+        self.state = REPLACED
+        log.critical(
+            "another agentsandbox service of this user registered with the dispatcher on {path}; "
+            "this one gets no more connections (stop one of them)",
+            path=self.path,
+        )
+
+    def lost(self, reason: Failure) -> None:
+        self._connector = None
+        if not self.running or self.state in (REPLACED, STOPPED):
+            return
+        why = reason.getErrorMessage() if reason is not None else "closed"
+        if self.state == REGISTERED:
+            log.warn("lost the dispatcher on {path} ({why}); registering again", path=self.path, why=why)
+        elif self.lastError != why:
+            log.warn("cannot register with the dispatcher on {path}: {why}; retrying", path=self.path, why=why)
+        self.lastError = why
+        self.state = CONNECTING
+        delay = self._backoff * random.uniform(0.8, 1.0)
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+        self._retry = self.clock.callLater(delay, self._connect)
+
+    def adopt(self, descriptor: int) -> None:
+        """One connection from the dispatcher, into the proxy factory (the peer check runs there)."""
+        try:
+            sock = socket.socket(fileno=descriptor)
+        except OSError as e:
+            os.close(descriptor)
+            log.error("the dispatcher sent a descriptor that is not a socket: {e}", e=e)
+            return
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                log.error("the dispatcher sent a socket that is not TCP ({family}); closed", family=sock.family)
+                return
+            # adoptStreamConnection takes a duplicate; ours is closed below.
+            self.reactor.adoptStreamConnection(sock.fileno(), sock.family, self.factory)
+            self.adopted += 1
+        except OSError as e:
+            log.warn("a connection from the dispatcher could not be adopted: {e}", e=e)
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------------ status
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "socket": self.path,
+            "state": self.state,
+            "uid": self.uid,
+            "ports": self.ports,
+            "dispatcherUid": self.dispatcherUid,
+            "adopted": self.adopted,
+            "registrations": self.registrations,
+            "lastError": self.lastError,
+        }
