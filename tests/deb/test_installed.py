@@ -225,12 +225,14 @@ class Person:
     def run(self, *argv: str, check: bool = True, **extra: str) -> subprocess.CompletedProcess[str]:
         return sh(list(argv), user=self.uid, env=self.env(**extra), cwd=str(self.home / "work"), check=check)
 
-    def writeConfig(self, allowedPort: int, proxyPort: int) -> None:
+    def writeConfig(self, allowedPort: int, proxyPort: int, dispatchSocket: Path) -> None:
+        """This user's own policy; the dispatcher's socket is not at its default path here."""
         config = self.home / ".config" / "agentsandbox" / "config.toml"
         config.parent.mkdir(parents=True)
         config.write_text(
             '[sandbox]\nwrite = ["~/work"]\n'
             f'domains = ["127.0.0.1:{allowedPort}"]\n\n[proxy]\nport = {proxyPort}\n'
+            f'dispatch_socket = "{dispatchSocket}"\n'
         )
 
 
@@ -295,6 +297,7 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 def machine(package: Package) -> Iterator[Machine]:
     """The machine's config pointed at a free port, re-rendered; the dispatcher; both users' services."""
     logs = Path(tempfile.mkdtemp(prefix="agentsandbox-deb-logs-"))
+    logs.chmod(0o755)  # the dispatcher (nobody) reaches its socket dir through it
     people: dict[str, Person] = {}
     dispatcher: subprocess.Popen[bytes] | None = None
     try:
@@ -310,17 +313,16 @@ def machine(package: Package) -> Iterator[Machine]:
         for name in USERS:
             people[name] = _makeUser(name)
         ann, bob = people[USERS[0]], people[USERS[1]]
-        ann.writeConfig(ann.site.port, port)
-        bob.writeConfig(bob.site.port, port)
-        for person in people.values():
-            _chownTree(person)
-
         # The dispatcher as an unprivileged user (the unit uses DynamicUser), in the foreground.
         nobody = pwd.getpwnam("nobody")
         sockDir = logs / "dispatch"
         sockDir.mkdir(mode=0o755)
         os.chown(sockDir, nobody.pw_uid, nobody.pw_gid)
         sock = sockDir / "dispatch.sock"
+        ann.writeConfig(ann.site.port, port, sock)
+        bob.writeConfig(bob.site.port, port, sock)
+        for person in people.values():
+            _chownTree(person)
         dlog = logs / "dispatch.log"
         with open(dlog, "wb") as out:
             dispatcher = subprocess.Popen(
@@ -336,7 +338,7 @@ def machine(package: Package) -> Iterator[Machine]:
                 person.service = subprocess.Popen(
                     ["/usr/bin/agentsandbox-twistd", "--nodaemon", "--pidfile=", "--logfile=-", "agentsandbox"],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(person.home),
-                    env=person.env(AGENTSANDBOX_DISPATCH_SOCKET=str(sock)), **asUser(person.uid),
+                    env=person.env(), **asUser(person.uid),
                 )
         for person in people.values():
             assert person.service is not None and person.log is not None
@@ -373,10 +375,10 @@ def test_each_users_run_is_held_to_their_own_policy(machine: Machine, who: str) 
     person = machine.people[who]
     other = machine.other(person)
     mine = person.run("agentsandbox", "run", "--", "sh", "-c", _curlLine(person.site.port, f"/run-{who}"), check=False)
-    assert "HTTP=200" in mine.stdout and LocalSite.BODY in mine.stdout, mine
+    assert "HTTP=200" in mine.stdout and LocalSite.BODY in mine.stdout, f"{mine.stdout}\n{mine.stderr}"
     assert f"/run-{who}" in person.site.paths
     theirs = person.run("agentsandbox", "run", "--", "sh", "-c", _curlLine(other.site.port, f"/refused-{who}"), check=False)
-    assert "HTTP=403" in theirs.stdout and "sandbox.domains" in theirs.stdout, theirs
+    assert "HTTP=403" in theirs.stdout and "sandbox.domains" in theirs.stdout, f"{theirs.stdout}\n{theirs.stderr}"
     assert f"/refused-{who}" not in other.site.paths
     # Each decision is in the requester's own audit log and in no one else's.
     own = (person.home / ".local" / "state" / "agentsandbox" / "audit.jsonl").read_text()
