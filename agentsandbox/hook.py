@@ -259,7 +259,7 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
         return ([f"unset {n}" for n in names], messages)
     policy = Policy.fromConfig(config, environ)
     exports = dict(policy.sessionVars())
-    exports.update(_egressVars(policy.egress))
+    exports.update(_egressVars(policy.egress, policy.exe))
     # Claude Code sources this file inside the sandbox, after its own --setenv:
     # the narrowed NO_PROXY wins there (measured on 2.1.197 and the newest).
     exports.update(policy.proxyVars())
@@ -280,12 +280,12 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return lines, messages
 
 
-def _egressVars(egressDir: str | None) -> dict[str, str]:
+def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     if egressDir is None:
         return {}
     from agentsandbox.egressdir import egressVars, signingGitConfig
 
-    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir))
+    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir, exe))
     return exported
 
 

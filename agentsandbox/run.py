@@ -104,7 +104,7 @@ def sessionVars(policy: Policy) -> dict[str, str]:
 
     out = dict(policy.sessionVars())
     if policy.egress is not None:
-        out.update(egressVars(policy.egress, signingGitConfig(policy.egress)))
+        out.update(egressVars(policy.egress, signingGitConfig(policy.egress, policy.exe)))
     # srt sets its own over these with --setenv; srtArgv sets them again inside.
     out.update(policy.proxyVars())
     return out
@@ -229,19 +229,42 @@ def proxyAnswers(port: int, timeout: float = CONNECT_TIMEOUT) -> str | None:
         return e.strerror or str(e)
 
 
-def proxyOwner(port: int, procDir: str = "/proc") -> str | None:
+def proxyOwner(
+    port: int,
+    procDir: str = "/proc",
+    dispatched: Callable[[], bool] = lambda: False,
+) -> str | None:
     """None unless another user holds the listening socket on ``port``, else who does.
 
     When the service is down, any local user may listen on the proxy port and
-    would then see every connection the command makes: refuse that.
+    would then see every connection the command makes: refuse that.  The one
+    other holder allowed is the system dispatcher, when ``dispatched()`` says it
+    holds the port and hands this user's connections to this user's service.
     """
     from agentsandbox.doctor import listenerUids
 
     owners = listenerUids(port, procDir)
     me = os.getuid()
-    if not owners or owners == {me}:
+    if not owners or owners == {me} or dispatched():
         return None
     return f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not by this user (uid {me})"
+
+
+def dispatcherServesMe(config: Config, environ: Mapping[str, str] | None = None) -> bool:
+    """The system dispatcher holds proxy.port and this uid's service is registered with it.
+
+    ``doctor``'s dispatcher check decides it (port served, the port's listener
+    is the dispatcher's uid by SO_PEERCRED, this uid registered), so ``run``
+    and ``doctor`` never disagree about a shared port.
+    """
+    from agentsandbox.doctor import OK, checkDispatcher
+    from agentsandbox.paths import locateDispatchSocket
+
+    env = os.environ if environ is None else environ
+    path = locateDispatchSocket(config.proxy.dispatch_socket, env)
+    if path is None or config.proxy.listen is not None or not os.path.lexists(path):
+        return False
+    return checkDispatcher(config, env, None).status == OK
 
 
 def brokerAnswers(spool: str, timeout: float = PING_TIMEOUT) -> str | None:
@@ -264,7 +287,7 @@ def enforcementProblems(
     which: Callable[..., str | None] = shutil.which,
     proxyCheck: Callable[[int], str | None] = proxyAnswers,
     brokerCheck: Callable[[str], str | None] = brokerAnswers,
-    ownerCheck: Callable[[int], str | None] = proxyOwner,
+    ownerCheck: Callable[[int], str | None] | None = None,
 ) -> list[Problem]:
     """Every reason the run would not be enforced; empty when it would be."""
     problems = missingTools(searchPath, which)
@@ -278,7 +301,10 @@ def enforcementProblems(
             )
         )
     else:
-        why = ownerCheck(port)
+        if ownerCheck is None:
+            why = proxyOwner(port, dispatched=lambda: dispatcherServesMe(config))
+        else:
+            why = ownerCheck(port)
         if why is not None:
             problems.append(
                 Problem(

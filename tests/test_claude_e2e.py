@@ -39,10 +39,12 @@ from tests.support.claude_harness import (
     freeLoopbackPort,
     getSettings,
     latestClaude,
+    missingFrom,
     mockAPI,
     pinnedClaude,
     runClaude,
     tempLeftoversRemoved,
+    withoutKeys,
 )
 from tests.support.mock_messages import (
     FINAL_PREFIX,
@@ -278,43 +280,15 @@ def test_bash_env_has_no_credentials(claude: ClaudeBinary, world: World, api: Mo
     assert not names & set(CANARY_ENV), f"credentials visible: {sorted(names & set(CANARY_ENV))}"
 
 
-def _without(value: Any, keys: frozenset[str]) -> Any:
-    """``value`` without the object keys in ``keys``, at any depth."""
-    if isinstance(value, dict):
-        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
-    if isinstance(value, list):
-        return [_without(v, keys) for v in value]
-    return value
-
-
-def _contains(effective: Any, wanted: Any, where: str = "") -> list[str]:
-    """Where ``wanted`` is not part of ``effective`` (arrays may have grown by merging)."""
-    if isinstance(wanted, dict):
-        if not isinstance(effective, dict):
-            return [f"{where or '/'}: not an object"]
-        missing = []
-        for k, v in wanted.items():
-            if k not in effective:
-                missing.append(f"{where}/{k}: missing")
-            else:
-                missing += _contains(effective[k], v, f"{where}/{k}")
-        return missing
-    if isinstance(wanted, list):
-        if not isinstance(effective, list):
-            return [f"{where}: not an array"]
-        return [f"{where}: lacks {w!r}" for w in wanted if w not in effective]
-    return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
-
-
 @pytest.mark.claude
 def test_get_settings_shows_drop_in(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
     settings = getSettings(claude.require(), cwd=world.project, env=world.claudeEnv(api))
     policy = [s for s in settings.get("sources", []) if s.get("source") == "policySettings"]
     assert policy, f"no policySettings source: {json.dumps(settings)[:2000]}"
-    expected = _without(managed, claude.ignoredKeys)
-    assert _contains(policy[0].get("settings"), expected) == []
-    assert _contains(settings.get("effective"), expected) == []
+    expected = withoutKeys(managed, claude.ignoredKeys)
+    assert missingFrom(policy[0].get("settings"), expected) == []
+    assert missingFrom(settings.get("effective"), expected) == []
     effective = settings["effective"]
     assert effective["sandbox"]["enabled"] is True
     assert effective["sandbox"]["allowUnsandboxedCommands"] is False

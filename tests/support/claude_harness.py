@@ -527,8 +527,13 @@ def runClaude(
     env: Mapping[str, str],
     api: MockMessagesAPI,
     timeout: float = RUN_TIMEOUT,
+    user: int | None = None,
 ) -> ClaudeRun:
-    """One ``claude -p`` run that plays ``calls`` through the mock, bounded by ``timeout``."""
+    """One ``claude -p`` run that plays ``calls`` through the mock, bounded by ``timeout``.
+
+    ``user``: the uid to run it as (its primary group, no others), for tests that
+    made real users.
+    """
     argv = [
         binary, "-p", scriptPrompt(calls),
         "--output-format", "stream-json", "--verbose",
@@ -540,6 +545,7 @@ def runClaude(
     proc = subprocess.Popen(
         argv, cwd=str(cwd), env=dict(env), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        **asUser(user),
     )
     timedOut = False
     try:
@@ -563,8 +569,17 @@ def _lines(stream: IO[str], into: queue.Queue[str | None]) -> None:
     into.put(None)
 
 
+def asUser(uid: int | None) -> dict[str, Any]:
+    """``subprocess`` arguments that run a child as ``uid`` with only its primary group."""
+    if uid is None:
+        return {}
+    import pwd
+
+    return {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
+
+
 def getSettings(binary: str, *, cwd: Path, env: Mapping[str, str],
-                timeout: float = 60.0) -> dict[str, Any]:
+                timeout: float = 60.0, user: int | None = None) -> dict[str, Any]:
     """The ``get_settings`` control response: ``effective`` and per-source ``sources``.
 
     Asks for nothing that needs the API: ``initialize``, then ``get_settings``,
@@ -574,7 +589,7 @@ def getSettings(binary: str, *, cwd: Path, env: Mapping[str, str],
             "--verbose", "--model", MODEL]
     proc = subprocess.Popen(
         argv, cwd=str(cwd), env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, **asUser(user),
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     lines: queue.Queue[str | None] = queue.Queue()
@@ -639,6 +654,34 @@ def _drain(q: queue.Queue[str | None]) -> str:
         if item is not None:
             parts.append(item)
     return "".join(parts)
+
+
+def withoutKeys(value: Any, keys: frozenset[str]) -> Any:
+    """``value`` without the object keys in ``keys``, at any depth."""
+    if isinstance(value, dict):
+        return {k: withoutKeys(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [withoutKeys(v, keys) for v in value]
+    return value
+
+
+def missingFrom(effective: Any, wanted: Any, where: str = "") -> list[str]:
+    """Where ``wanted`` is not part of ``effective`` (arrays may have grown by merging)."""
+    if isinstance(wanted, dict):
+        if not isinstance(effective, dict):
+            return [f"{where or '/'}: not an object"]
+        missing = []
+        for k, v in wanted.items():
+            if k not in effective:
+                missing.append(f"{where}/{k}: missing")
+            else:
+                missing += missingFrom(effective[k], v, f"{where}/{k}")
+        return missing
+    if isinstance(wanted, list):
+        if not isinstance(effective, list):
+            return [f"{where}: not an array"]
+        return [f"{where}: lacks {w!r}" for w in wanted if w not in effective]
+    return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
 
 
 @contextmanager
