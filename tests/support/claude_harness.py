@@ -498,7 +498,9 @@ def _resultText(content: Any) -> str:
 
 def _parseLines(stdout: str) -> list[dict[str, Any]]:
     events = []
-    for line in stdout.splitlines():
+    # Lines end at "\n" only: str.splitlines() would also cut at U+0085 and
+    # U+2028, which Claude Code writes unescaped inside its JSON lines.
+    for line in stdout.split("\n"):
         line = line.strip()
         if not line.startswith("{"):
             continue
