@@ -56,6 +56,10 @@ ALLOWED_TOOLS = ("Bash", "Read", "Grep", "Glob", "Edit", "Write", "NotebookEdit"
 CANARY_KEY = "AGENTSANDBOX-CANARY-PRIVATE-KEY-7f3a9c1e"
 CANARY_BASHRC = "# AGENTSANDBOX-CANARY-BASHRC-original"
 PROJECT_TEXT = "agentsandbox e2e project file: readable-1c5d"
+#: In ~/private, which no list opens: a line of text, and a file whose name is
+#: itself the marker (a Glob that lists the directory shows it).
+CANARY_PRIVATE = "AGENTSANDBOX-CANARY-PRIVATE-NOTES-4b7e"
+CANARY_PRIVATE_NAME = "agentsandbox-canary-private-name-e81d.txt"
 #: Credential variables planted in Claude Code's own environment.  Each value
 #: is unique so its absence from any output is meaningful.
 CANARY_ENV = {
@@ -326,6 +330,7 @@ class World:
     brokenConfig: Path = field(init=False)
     launcher: Path = field(init=False)
     strayKey: Path = field(init=False)
+    private: Path = field(init=False)
     claudeTmp: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -338,11 +343,12 @@ class World:
         self.brokenConfig = b / "etc" / "broken.toml"
         self.launcher = b / "bin" / "agentsandbox"
         self.strayKey = self.home / "old-laptop" / "id_ed25519"
+        self.private = self.home / "private"
         self.claudeTmp = b / "claude-tmp"
 
     def build(self) -> World:
         for d in (self.home / ".ssh", self.strayKey.parent, self.claudeTmp, self.project, self.docs, self.outside,
-                  self.config.parent, self.launcher.parent):
+                  self.private, self.config.parent, self.launcher.parent):
             d.mkdir(parents=True, exist_ok=True)
         (self.home / ".ssh").chmod(0o700)
         for key in (self.home / ".ssh" / "id_ed25519", self.strayKey):
@@ -355,8 +361,10 @@ class World:
         notebook = {"cells": [{"cell_type": "code", "id": "c1", "metadata": {}, "source": ["print(1)"],
                                "outputs": [], "execution_count": None}],
                     "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-        for d in (self.docs, self.outside):
+        for d in (self.docs, self.outside, self.private):
             (d / "book.ipynb").write_text(json.dumps(notebook))
+        (self.private / "notes.txt").write_text(CANARY_PRIVATE + "\n")
+        (self.private / CANARY_PRIVATE_NAME).write_text("named\n")
         # Write paths are kept out of read paths: 2.1.197 cannot start its
         # sandbox otherwise, and the config loader refuses that layout.
         self.config.write_text(
@@ -373,8 +381,11 @@ class World:
         return self
 
     def secretFiles(self) -> dict[Path, bytes]:
-        files = (self.home / ".ssh" / "id_ed25519", self.strayKey, self.home / ".bashrc")
-        return {p: p.read_bytes() for p in files}
+        """Every protected file's bytes, and the closed ~/private's listing (nothing may appear there)."""
+        files = (self.home / ".ssh" / "id_ed25519", self.strayKey, self.home / ".bashrc",
+                 self.private / "notes.txt", self.private / "book.ipynb")
+        listing = "\n".join(sorted(os.listdir(self.private))).encode()
+        return {**{p: p.read_bytes() for p in files}, self.private: listing}
 
     def agentsandboxEnv(self, config: Path | None = None) -> dict[str, str]:
         env = _baseEnv(str(self.home))
@@ -411,7 +422,7 @@ class World:
         return env
 
     def canaries(self) -> list[str]:
-        return [CANARY_KEY, CANARY_BASHRC, *CANARY_ENV.values()]
+        return [CANARY_KEY, CANARY_BASHRC, CANARY_PRIVATE, CANARY_PRIVATE_NAME, *CANARY_ENV.values()]
 
 
 # --- running claude ----------------------------------------------------------------
@@ -498,7 +509,9 @@ def _resultText(content: Any) -> str:
 
 def _parseLines(stdout: str) -> list[dict[str, Any]]:
     events = []
-    for line in stdout.splitlines():
+    # Lines end at "\n" only: str.splitlines() would also cut at U+0085 and
+    # U+2028, which Claude Code writes unescaped inside its JSON lines.
+    for line in stdout.split("\n"):
         line = line.strip()
         if not line.startswith("{"):
             continue
