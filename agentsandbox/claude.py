@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,11 @@ from agentsandbox.policy import ENV_MARKER, Policy, under
 FILE_TOOLS = ("Read", "Grep", "Glob", "Edit", "MultiEdit", "Write", "NotebookEdit")
 HOOK_TIMEOUT = 10
 RUNTIME_ROOT = "/run/user"
+#: Every user's egress dir, as ``_readSetting`` writes a runtime-dir path.  It is
+#: re-allowed even when whoever renders has no runtime dir (root in a package's
+#: postinst, or under sudo, which drops XDG_RUNTIME_DIR), so the machine's drop-in
+#: is the one each user's session renders.
+EVERY_EGRESS_DIR = "/" + RUNTIME_ROOT + "/*/agentsandbox/egress"
 
 #: Credential locations under home that also get permission deny rules: a second
 #: layer under the hook, which holds even if the hook cannot run.  A path the
@@ -82,7 +88,7 @@ def render(policy: Policy) -> dict[str, Any]:
             ],
             "SessionStart": [{"hooks": [_hook(exe, "sessionstart")]}],
         },
-        "permissions": {"deny": denyRules},
+        "permissions": {"deny": _settings(denyRules)},
         "sandbox": {
             "enabled": True,
             "failIfUnavailable": True,
@@ -90,10 +96,13 @@ def render(policy: Policy) -> dict[str, Any]:
             "autoAllowBashIfSandboxed": True,
             "filesystem": {
                 "allowManagedReadPathsOnly": True,
-                "allowRead": [_readSetting(policy, p) for p in policy.read if _isClosed(policy, p)],
-                "allowWrite": [setting(p) for p in policy.write],
-                "denyRead": closed + [setting(p) for p in policy.deny],
-                "denyWrite": [setting(p) for p in policy.deny] + [setting(policy.harness)],
+                "allowRead": _settings(
+                    [_readSetting(policy, p) for p in policy.read if _isClosed(policy, p)]
+                    + ([] if policy.runtime else [EVERY_EGRESS_DIR])
+                ),
+                "allowWrite": _settings(setting(p) for p in policy.write),
+                "denyRead": closed + [s for s in _settings(setting(p) for p in policy.deny) if s not in closed],
+                "denyWrite": _settings([*(setting(p) for p in policy.deny), setting(policy.harness)]),
             },
             "network": {
                 "allowManagedDomainsOnly": True,
@@ -104,6 +113,16 @@ def render(policy: Policy) -> dict[str, Any]:
             },
         },
     }
+
+
+def _settings(items: Iterable[str]) -> list[str]:
+    """Sorted and unique by the rendered text, not by the absolute paths behind it.
+
+    The same config must render the same bytes for every user (the drift check
+    compares them): sorting absolute paths would order ``~/…`` entries by where
+    each user's home happens to lie.
+    """
+    return sorted(set(items))
 
 
 def _hook(exe: str, event: str) -> dict[str, Any]:

@@ -79,19 +79,41 @@ def checkMain(argv: list[str]) -> int:
     args = p.parse_args(argv)
     config = loadConfig("check", args.config)
     if args.kind in ("read", "write"):
-        policy = Policy.fromConfig(config)
-        why = (policy.whyReadable if args.kind == "read" else policy.whyWritable)(args.path, args.cwd)
-        if why is not None:
-            print(f"allowed: a session may {args.kind} {args.path} ({why})")
-            return 0
-        denied = policy.deniedBy(args.path, args.cwd)
-        if denied is not None:
-            print(f"refused: {args.path} is inside {denied} (sandbox.deny)")
-        else:
-            key = "sandbox.read" if args.kind == "read" else "sandbox.write"
-            print(f"refused: no rule lets a session {args.kind} {args.path}; add it or a parent to {key}")
-        return 1
+        return _checkPath(Policy.fromConfig(config), args.kind, args.path, os.path.abspath(args.cwd))
     return _checkHost(config, args.target, args.resolve)
+
+
+def _checkPath(policy: Policy, kind: str, path: str, cwd: str) -> int:
+    """Decide ``path`` on the readings the hook decides a Read or Write on (docs/hook.md)."""
+    from agentsandbox import hook
+
+    paths = hook.readPaths if kind == "read" else hook.editPaths
+    try:
+        readings = paths({"file_path": path}, cwd, policy.home)
+    except hook.Refusal:
+        print(f"refused: {path!r} is not a path a file tool accepts (empty, or holds a NUL)")
+        return 1
+    decideOn = policy.whyReadable if kind == "read" else policy.whyWritable
+    whys = [(r, decideOn(r.path, cwd)) for r in readings]
+    refused = next((r for r, why in whys if why is None), None)
+    if refused is None:
+        print(f"allowed: a session may {kind} {path} ({whys[0][1]})")
+        return 0
+    shown = path
+    if refused.physical:
+        shown += f" (which the file system resolves, links before '..', to {refused.path})"
+    elif refused.path != path and hook.jsTrim(path) != path:
+        shown += f" (read as {refused.path})"
+    process = policy.processPath(refused.path, cwd)
+    denied = policy.deniedBy(refused.path, cwd)
+    if process is not None:
+        print(f"refused: {shown} is inside {process}, which names the reading process's own objects")
+    elif denied is not None:
+        print(f"refused: {shown} is inside {denied} (sandbox.deny)")
+    else:
+        key = "sandbox.read" if kind == "read" else "sandbox.write"
+        print(f"refused: no rule lets a session {kind} {shown}; add it or a parent to {key}")
+    return 1
 
 
 def splitTarget(target: str) -> tuple[str, int]:

@@ -105,28 +105,59 @@ def _atomic(path: str, data: bytes) -> None:
 
 WRAPPERS = {"gpg": "gpg", "ssh-sign": "ssh-sign"}
 
+#: Where the Debian package (and any other system install) puts the wrappers, so
+#: ``git config --global gpg.program /usr/libexec/agentsandbox/gpg`` names one
+#: path that works for every user, inside the sandbox and outside it.
+PACKAGED_WRAPPERS = "/usr/libexec/agentsandbox"
 
-def writeWrappers(directory: str, exe: str) -> None:
-    """``gpg`` and ``ssh-sign`` scripts (0700) that run ``agentsandbox gpg|ssh-sign``.
+
+def wrapperScript(exe: str, command: str) -> str:
+    import shlex
+
+    return f'#!/bin/sh\nexec {shlex.quote(exe)} {command} "$@"\n'
+
+
+def writeWrappers(directory: str, exe: str, shared: bool = False) -> None:
+    """``gpg`` and ``ssh-sign`` scripts that run ``agentsandbox gpg|ssh-sign``.
 
     git takes one program path for ``gpg.program`` and ``gpg.ssh.program``, so the
     subcommand needs a script; inside the sandbox the command asks the broker to
-    sign, outside it runs the person's own gpg or ssh-keygen.
+    sign, outside it runs the person's own gpg or ssh-keygen.  The per-user copies
+    in the egress dir are 0700; ``shared`` ones (a package's) are 0755.
     """
-    import shlex
-
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    mode = 0o755 if shared else 0o700
+    os.makedirs(directory, mode=mode, exist_ok=True)
     for name, command in WRAPPERS.items():
         path = os.path.join(directory, name)
-        _atomic(path, f'#!/bin/sh\nexec {shlex.quote(exe)} {command} "$@"\n'.encode())
-        os.chmod(path, 0o700)
+        _atomic(path, wrapperScript(exe, command).encode())
+        os.chmod(path, mode)
 
 
-def signingGitConfig(directory: str) -> list[tuple[str, str]]:
-    """git config pairs that sign through the wrappers ``writeWrappers`` made."""
+def packagedWrappers(exe: str, directory: str = PACKAGED_WRAPPERS) -> str | None:
+    """``directory`` when it holds both wrappers, each running ``exe``; else None.
+
+    A wrapper that runs another install (a packaged one beside a pip install in
+    the user's home) is not used: the session signs with the agentsandbox it runs.
+    """
+    for name, command in WRAPPERS.items():
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                if f.read(4096) != wrapperScript(exe, command):
+                    return None
+        except (OSError, UnicodeDecodeError):
+            return None
+    return directory
+
+
+def signingGitConfig(
+    directory: str, exe: str | None = None, packagedDir: str = PACKAGED_WRAPPERS
+) -> list[tuple[str, str]]:
+    """git config pairs that sign through the wrappers: the packaged ones when they
+    run ``exe``, else those ``writeWrappers`` made in ``directory``."""
+    where = (packagedWrappers(exe, packagedDir) if exe else None) or directory
     return [
-        ("gpg.program", os.path.join(directory, "gpg")),
-        ("gpg.ssh.program", os.path.join(directory, "ssh-sign")),
+        ("gpg.program", os.path.join(where, "gpg")),
+        ("gpg.ssh.program", os.path.join(where, "ssh-sign")),
     ]
 
 

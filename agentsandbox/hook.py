@@ -31,10 +31,24 @@ if TYPE_CHECKING:
 
 MAX_INPUT = 1024 * 1024
 
-READ_TOOLS = {"Read": "file_path", "Grep": "path", "Glob": "path"}
-WRITE_TOOLS = {"Edit": "file_path", "MultiEdit": "file_path", "Write": "file_path", "NotebookEdit": "notebook_path"}
-_GLOB_CHARS = re.compile(r"[*?\[{\\]")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: What JavaScript's String.prototype.trim() removes: ECMAScript WhiteSpace and
+#: LineTerminator (checked against node in the tests).  Python's str.strip()
+#: differs: it keeps U+FEFF and removes U+001C-001F and U+0085.
+JS_WHITESPACE = (
+    "\t\n\v\f\r \xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000\ufeff"
+)
+#: The characters Claude Code's Glob takes as the start of a wildcard.
+_GLOB_START = re.compile(r"[*?\[{]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+#: The whole stdout when even building a deny fails: a static, valid deny.
+LAST_RESORT = (
+    b'{"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "deny", '
+    b'"permissionDecisionReason": "agentsandbox refused this call: the hook failed"}}\n'
+)
 
 
 class Refusal(Exception):
@@ -42,6 +56,8 @@ class Refusal(Exception):
 
 
 def deny(reason: str) -> str:
+    # ASCII only: a lone surrogate or any other code point is escaped, so the
+    # line can be written whatever stdout's encoding is.
     return (
         json.dumps(
             {
@@ -51,33 +67,136 @@ def deny(reason: str) -> str:
                     "permissionDecisionReason": reason,
                 }
             },
-            ensure_ascii=False,
+            ensure_ascii=True,
         )
         + "\n"
     )
 
 
-def globRoot(pattern: str, base: str) -> str:
-    """The highest directory a Glob ``pattern`` searched from ``base`` can reach.
+# --------------------------------------------------------------------------- what each tool touches
 
-    The literal components before the first wildcard are the root.  After it a
-    ``..`` can still climb (``*/../..``): each wildcard descends at least one
-    level (``**`` at least none) and each ``..`` climbs one, so the root is
-    raised to the lowest depth the pattern can reach.
+
+class Reading:
+    """One absolute path a tool call may touch, and how it was derived.
+
+    ``physical`` readings apply ``..`` after following links, as the kernel
+    does with a path handed to it unnormalised; the others apply ``..``
+    first, as Node's ``path.resolve`` does.  ``search`` marks the root of a
+    recursive walk (Grep, Glob), which must not hold a closed directory.
     """
-    parts = pattern.split("/")
-    literal: list[str] = []
-    rest: list[str] = []
-    for i, part in enumerate(parts):
-        if _GLOB_CHARS.search(part):
-            rest = parts[i:]
-            break
-        literal.append(part)
-    if pattern.startswith("/"):
-        root = "/" + "/".join(p for p in literal if p)
-    else:
-        root = os.path.join(base, *[p for p in literal if p])
-    root = os.path.normpath(root)
+
+    __slots__ = ("path", "physical", "search")
+
+    def __init__(self, path: str, physical: bool = False, search: bool = False) -> None:
+        self.path = path
+        self.physical = physical
+        self.search = search
+
+    def __repr__(self) -> str:
+        return f"Reading({self.path!r}, physical={self.physical}, search={self.search})"
+
+
+def jsTrim(text: str) -> str:
+    return text.strip(JS_WHITESPACE)
+
+
+def _fsText(path: str) -> str:
+    """The path Node hands the kernel: a lone surrogate becomes U+FFFD in its UTF-8."""
+    return _LONE_SURROGATE.sub("\ufffd", path)
+
+
+def _joined(text: str, cwd: str, home: str) -> str:
+    """``text`` made absolute with ``~`` and ``cwd`` (Claude Code's order), not normalised."""
+    if text == "~":
+        return home
+    if text.startswith("~/"):
+        return home + "/" + text[2:]
+    if text.startswith("/"):
+        return text
+    return cwd + "/" + text
+
+
+def _normal(path: str) -> str:
+    """Node's path.normalize on an absolute POSIX path, less any trailing slash."""
+    path = os.path.normpath(path)
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def expandPath(raw: str, cwd: str, home: str) -> str:
+    """Claude Code's ``expandPath``: JS trim, then ``~`` or ``~/``, then ``path.resolve`` on cwd.
+
+    Empty after trimming means the cwd.  Measured on 2.1.197 and the newest
+    release (docs/hook.md).
+    """
+    text = jsTrim(raw)
+    return _normal(_joined(text, cwd, home) if text else cwd)
+
+
+def _both(raw: str, cwd: str, home: str, search: bool = False) -> list[Reading]:
+    """The lexical reading Claude Code resolves ``raw`` to, and the physical one."""
+    text = jsTrim(raw)
+    joined = _fsText(_joined(text, cwd, home) if text else cwd)
+    # Node applies ".." to the string, the kernel after following links.
+    return [
+        Reading(_normal(joined), search=search),
+        Reading(os.path.realpath(joined), physical=True, search=search),
+    ]
+
+
+class _Empty(Refusal):
+    """A path field that is the empty string; ``decide`` names the tool."""
+
+
+def _filePath(toolInput: Mapping[str, Any], field: str, cwd: str, home: str) -> list[Reading]:
+    raw = _text(toolInput.get(field), f"tool_input.{field}")
+    if not raw:
+        raise _Empty(f"tool_input.{field}")
+    return _both(raw, cwd, home)
+
+
+def readPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading]:
+    """Read opens ``expandPath(file_path)``.
+
+    2.1.197 hands the hook the expanded path; newer releases call the hook
+    with the raw one as well, so it is expanded here either way.
+    """
+    return _filePath(toolInput, "file_path", cwd, home)
+
+
+def editPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading]:
+    """Edit, MultiEdit and Write write ``expandPath(file_path)``."""
+    return _filePath(toolInput, "file_path", cwd, home)
+
+
+def notebookPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading]:
+    """NotebookEdit writes ``expandPath(notebook_path)``."""
+    return _filePath(toolInput, "notebook_path", cwd, home)
+
+
+def _searchBase(toolInput: Mapping[str, Any], cwd: str, home: str) -> str:
+    """Grep's and Glob's ``path``: the cwd when absent or empty (JS falsy), else expanded."""
+    given = toolInput.get("path")
+    if given is None or given == "":
+        return cwd
+    return _text(given, "tool_input.path")
+
+
+def grepPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading]:
+    """Grep runs ripgrep on ``expandPath(path)`` (the cwd without one).
+
+    The hook is handed ``path`` raw: the JS trim and ``~`` are applied here.
+    ``glob`` and ``type`` only filter below that root.
+    """
+    return _both(_searchBase(toolInput, cwd, home), cwd, home, search=True)
+
+
+def _climbed(root: str, rest: list[str]) -> str:
+    """``root`` raised by each ``..`` of ``rest`` a wildcard cannot absorb.
+
+    ripgrep matches the rest of a pattern below the root and never climbs, so
+    this only widens the decision: each wildcard descends at least one level
+    (``**`` at least none) and each ``..`` climbs one.
+    """
     depth = lowest = 0
     for part in rest:
         if part == "..":
@@ -88,6 +207,81 @@ def globRoot(pattern: str, base: str) -> str:
     for _ in range(-lowest):
         root = os.path.dirname(root)
     return root
+
+
+def globSplit(pattern: str) -> tuple[str, str]:
+    """Claude Code's split of an absolute Glob pattern: (the walk's root as written, the rest).
+
+    The root is everything before the last ``/`` that precedes the first
+    wildcard, or the pattern's dirname when it has none; it is handed to
+    ripgrep unnormalised.  A relative pattern is all rest ('' root).
+    """
+    match = _GLOB_START.search(pattern)
+    literal = pattern if match is None else pattern[: match.start()]
+    if match is None:
+        stripped = pattern.rstrip("/") or "/"
+        cut = stripped.rfind("/")
+        return (stripped[:cut] or "/", stripped[cut + 1 :]) if cut >= 0 else ("", pattern)
+    cut = literal.rfind("/")
+    if cut < 0:
+        return "", pattern
+    return literal[:cut] or "/", pattern[cut + 1 :]
+
+
+def globRoot(pattern: str, base: str) -> str:
+    """The highest directory a relative or absolute Glob ``pattern`` from ``base`` can reach, lexically."""
+    return _globReadings(pattern, base)[0].path
+
+
+def _globReadings(pattern: str, base: str) -> list[Reading]:
+    """Both readings of the walk's root for ``pattern`` (absolute, or relative to ``base``)."""
+    root, rest = globSplit(pattern)
+    if not pattern.startswith("/"):
+        root = base + "/" + root if root else base
+    parts = rest.split("/")
+    joined = _fsText(root)
+    return [
+        Reading(_climbed(_normal(joined), parts), search=True),
+        Reading(_climbed(os.path.realpath(joined), parts), physical=True, search=True),
+    ]
+
+
+def globPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading]:
+    """Glob runs ``ripgrep --files --glob REST ROOT``.
+
+    An absolute pattern is split by ``globSplit`` and its root is handed to
+    ripgrep unnormalised, so the kernel resolves links before ``..`` (2.1.197;
+    measured).  Otherwise the root is ``expandPath(path)`` (the cwd without
+    one) and the whole pattern filters below it.  Both readings of every root
+    are decided, the relative pattern's literal prefix too, and the pattern
+    trimmed as JavaScript would, in case a release trims it.
+    """
+    pattern = _text(toolInput.get("pattern"), "tool_input.pattern")
+    readings: list[Reading] = []
+    base = _both(_searchBase(toolInput, cwd, home), cwd, home, search=True)
+    for candidate in dict.fromkeys((pattern, jsTrim(pattern))):
+        if candidate.startswith("~/"):
+            # Claude Code takes this as relative (ripgrep then matches nothing);
+            # it is read as the home-relative path a release may expand it to.
+            candidate = home + candidate[1:]
+        if candidate.startswith("/"):
+            readings += _globReadings(candidate, cwd)
+        else:
+            readings += base
+            for b in base:
+                readings += _globReadings(candidate, b.path)
+    return readings
+
+
+TOOLS = {
+    "Read": (readPaths, "read"),
+    "Grep": (grepPaths, "read"),
+    "Glob": (globPaths, "read"),
+    "Edit": (editPaths, "write"),
+    "MultiEdit": (editPaths, "write"),
+    "Write": (editPaths, "write"),
+    "NotebookEdit": (notebookPaths, "write"),
+}
 
 
 def _text(value: Any, field: str) -> str:
@@ -105,56 +299,51 @@ def decide(event: Any, environ: Mapping[str, str]) -> str | None:
     tool = event.get("tool_name")
     if not isinstance(tool, str):
         raise Refusal("agentsandbox refused this call: the hook's input has no tool_name")
-    if tool not in READ_TOOLS and tool not in WRITE_TOOLS:
+    if tool not in TOOLS:
         return None
     toolInput = event.get("tool_input")
     if not isinstance(toolInput, dict):
         raise Refusal(f"agentsandbox refused this {tool} call: tool_input is missing")
     cwd = _text(event.get("cwd"), "cwd")
-    if not os.path.isabs(cwd):
+    if not cwd.startswith("/"):
         raise Refusal(f"agentsandbox refused this {tool} call: cwd {cwd!r} is not absolute")
-
-    if tool in WRITE_TOOLS:
-        field = WRITE_TOOLS[tool]
-        path = _text(toolInput.get(field), f"tool_input.{field}")
-        if not path:
-            raise Refusal(f"agentsandbox refused this {tool} call: tool_input.{field} is empty")
-        checks = [(path, path, "write")]
-    elif tool == "Read":
-        path = _text(toolInput.get("file_path"), "tool_input.file_path")
-        if not path:
-            raise Refusal("agentsandbox refused this Read call: tool_input.file_path is empty")
-        checks = [(path, path, "read")]
-    else:
-        given = toolInput.get("path")
-        base = cwd if given is None or given == "" else _text(given, "tool_input.path")
-        checks = [(base, base, "read")]
-        if tool == "Glob":
-            pattern = _text(toolInput.get("pattern"), "tool_input.pattern")
-            if pattern.startswith(("/", "~/")):
-                checks = []
-            absBase = base if os.path.isabs(base) else os.path.join(cwd, base)
-            home = environ.get("HOME", "")
-            if pattern.startswith("~/") and home:
-                pattern = os.path.join(home, pattern[2:])
-            if home and absBase.startswith("~/"):
-                absBase = os.path.join(home, absBase[2:])
-            root = globRoot(pattern, absBase)
-            checks.append((root, pattern, "read"))
-
+    paths, mode = TOOLS[tool]
     policy, source = _policy(environ)
-    for path, shown, mode in checks:
-        if mode == "write" and policy.whyWritable(path, cwd) is None:
-            return _refuse(policy, source, path, shown, cwd, "write")
-        if mode == "read" and policy.whyReadable(path, cwd) is None:
-            return _refuse(policy, source, path, shown, cwd, "read")
-        if tool in ("Grep", "Glob"):
-            closed = policy.closedBelow(path, cwd)
+    try:
+        readings = paths(toolInput, cwd, policy.home)
+    except _Empty as e:
+        raise Refusal(f"agentsandbox refused this {tool} call: {e} is empty") from None
+    shown = _shown(tool, toolInput, cwd)
+    return decideReadings(policy, source, readings, shown, cwd, mode)
+
+
+def _shown(tool: str, toolInput: Mapping[str, Any], cwd: str) -> str:
+    """The path as the model wrote it, for the reason."""
+    field = {"Glob": "pattern", "Grep": "path", "NotebookEdit": "notebook_path"}.get(tool, "file_path")
+    given = toolInput.get(field)
+    return given if isinstance(given, str) and given else cwd
+
+
+def decideReadings(
+    policy: Policy, source: str, readings: list[Reading], shown: str, cwd: str, mode: str
+) -> str | None:
+    """The reason the first closed reading is refused, or None when every reading is open."""
+    seen: set[tuple[str, bool]] = set()
+    for r in readings:
+        if (r.path, r.search) in seen:
+            continue
+        seen.add((r.path, r.search))
+        if mode == "write" and policy.whyWritable(r.path, cwd) is None:
+            return _refuse(policy, source, r, shown, cwd, "write")
+        if mode == "read" and policy.whyReadable(r.path, cwd) is None:
+            return _refuse(policy, source, r, shown, cwd, "read")
+        if r.search:
+            closed = policy.closedBelow(r.path, cwd)
             if closed is not None:
                 return (
-                    f"agentsandbox refused to search {shown}: the search would descend into "
-                    f"{closed}, which sessions may not read. Search a directory inside the "
-                    f"paths in sandbox.read or sandbox.write instead."
+                    f"agentsandbox refused to search {_quoted(shown)}{_readAs(policy, r, shown, cwd)}: "
+                    f"the search would descend into {closed}, which sessions may not read. Search "
+                    f"a directory inside the paths in sandbox.read or sandbox.write instead."
                 )
     return None
 
@@ -171,39 +360,51 @@ def _policy(environ: Mapping[str, str]) -> tuple[Policy, str]:
         ) from None
 
 
-def _linkNote(policy: Policy, path: str, cwd: str) -> str:
-    """`` (a link to TARGET)`` when symlinks take ``path`` elsewhere: the target is what was refused."""
+def _quoted(shown: str) -> str:
+    """The path as given; quoted when it holds what the text would hide, cut when very long."""
+    if len(shown) > 512:
+        shown = f"{shown[:512]}...({len(shown)} characters)"
+    return repr(shown) if jsTrim(shown) != shown or not shown.isprintable() else shown
+
+
+def _readAs(policy: Policy, reading: Reading, shown: str, cwd: str) -> str:
+    """How ``shown`` was read, where the reason would not make that plain."""
     from agentsandbox.policy import resolve
 
-    literal = path
-    if path == "~":
-        literal = policy.home
-    elif path.startswith("~/"):
-        literal = os.path.join(policy.home, path[2:])
-    plain = os.path.normpath(os.path.join(cwd, literal))
-    if plain.startswith("//"):
-        plain = "/" + plain.lstrip("/")
-    real = resolve(path, cwd, policy.home)
-    return "" if real == plain else f" (a link to {real})"
+    real = resolve(reading.path, cwd, policy.home)
+    if reading.physical:
+        return f" (which the file system resolves, links before '..', to {real})"
+    if jsTrim(shown) != shown:
+        trimmed = f" (read as {reading.path}"
+        return trimmed + (")" if real == reading.path else f", a link to {real})")
+    return "" if real == reading.path else f" (a link to {real})"
 
 
-def _refuse(policy: Policy, source: str, path: str, shown: str, cwd: str, mode: str) -> str:
-    denied = policy.deniedBy(path, cwd)
+def _refuse(policy: Policy, source: str, reading: Reading, shown: str, cwd: str, mode: str) -> str:
+    path = reading.path
     where = f" in {source}" if source.startswith("/") else ""
-    shown += _linkNote(policy, path, cwd)
+    what = _quoted(shown) + _readAs(policy, reading, shown, cwd)
+    process = policy.processPath(path, cwd)
+    if process is not None:
+        return (
+            f"agentsandbox refused to {mode} {what}: it is inside {process}, which names the "
+            f"reading process's own objects (Claude Code's environment, memory and open files), "
+            f"so the file tools may not use it; no config key opens it."
+        )
+    denied = policy.deniedBy(path, cwd)
     if denied is not None:
         return (
-            f"agentsandbox refused to {mode} {shown}: it is inside {denied}, which sandbox.deny "
+            f"agentsandbox refused to {mode} {what}: it is inside {denied}, which sandbox.deny "
             f"closes both ways{where}. Remove it from sandbox.deny to open it."
         )
     if mode == "write":
         return (
-            f"agentsandbox refused to write {shown}: sessions write their working directory, "
+            f"agentsandbox refused to write {what}: sessions write their working directory, "
             f"the temp dir and the paths in sandbox.write. To allow it, add it or a parent "
             f"to sandbox.write{where}."
         )
     return (
-        f"agentsandbox refused to read {shown}: the home and runtime directories are closed "
+        f"agentsandbox refused to read {what}: the home and runtime directories are closed "
         f"except the paths in sandbox.read and sandbox.write, and credentials stay unreadable "
         f"by design. To allow it, add it or a parent to sandbox.read{where}."
     )
@@ -259,7 +460,7 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
         return ([f"unset {n}" for n in names], messages)
     policy = Policy.fromConfig(config, environ)
     exports = dict(policy.sessionVars())
-    exports.update(_egressVars(policy.egress))
+    exports.update(_egressVars(policy.egress, policy.exe))
     # Claude Code sources this file inside the sandbox, after its own --setenv:
     # the narrowed NO_PROXY wins there (measured on 2.1.197 and the newest).
     exports.update(policy.proxyVars())
@@ -280,12 +481,12 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
     return lines, messages
 
 
-def _egressVars(egressDir: str | None) -> dict[str, str]:
+def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     if egressDir is None:
         return {}
     from agentsandbox.egressdir import egressVars, signingGitConfig
 
-    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir))
+    exported: dict[str, str] = egressVars(egressDir, signingGitConfig(egressDir, exe))
     return exported
 
 
@@ -305,12 +506,34 @@ def sessionstart(environ: Mapping[str, str]) -> str:
         messages.append(f"agentsandbox: the SessionStart hook failed ({type(e).__name__}: {e}).")
     if not messages:
         return ""
-    return json.dumps({"systemMessage": " ".join(messages)}, ensure_ascii=False) + "\n"
+    return json.dumps({"systemMessage": " ".join(messages)}, ensure_ascii=True) + "\n"
+
+
+def _emit(text: str) -> None:
+    """Write the hook's stdout as bytes; a write that fails leaves the static deny."""
+    out = sys.stdout.buffer
+    try:
+        out.write(text.encode("ascii"))
+        out.flush()
+    except Exception:
+        _lastResort()
+
+
+def _lastResort() -> None:
+    try:
+        os.write(1, LAST_RESORT)
+    except BaseException:
+        pass
 
 
 def main(argv: list[str]) -> int:
     if argv == ["pretooluse"]:
-        sys.stdout.write(pretooluse(sys.stdin.buffer, os.environ))
+        # Claude Code 2.1.197 runs a tool whose hook exited non-zero or printed
+        # something it cannot parse: whatever happens here, exit 0 with a deny.
+        try:
+            _emit(pretooluse(sys.stdin.buffer, os.environ))
+        except BaseException:
+            _lastResort()
         return 0
     if argv == ["sessionstart"]:
         try:

@@ -43,6 +43,11 @@ SANDBOX_NO_PROXY = (
 #: The loopback entries of ``SANDBOX_NO_PROXY``: the only destinations a
 #: sandboxed client can reach without the proxy (servers it runs itself).
 LOOPBACK_NO_PROXY = ("localhost", "127.0.0.1", "::1")
+#: Paths that name the reading process's own objects (``/proc/self``, open file
+#: descriptors).  The hook runs in another process than the file tools, so it
+#: cannot know what they mean there, and ``/proc/<pid>/environ`` or ``mem`` of
+#: Claude Code hold its credentials: closed to the file tools, whatever the lists say.
+PROCESS_PATHS = ("/proc", "/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr")
 
 
 def _clean(path: str) -> str:
@@ -71,8 +76,8 @@ def tempDir(environ: Mapping[str, str]) -> str:
     return environ.get("TMPDIR") or "/tmp"
 
 
-def resolve(path: str, cwd: str, home: str) -> str:
-    """Absolute, clean, and with symlinks resolved through the nearest existing parent."""
+def _absolute(path: str, cwd: str, home: str) -> str:
+    """``path`` with ``~`` and the cwd applied, and ``..`` taken lexically (no links read)."""
     if path == "~":
         path = home
     elif path.startswith("~/"):
@@ -82,6 +87,12 @@ def resolve(path: str, cwd: str, home: str) -> str:
     path = os.path.normpath(path)
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
+    return path
+
+
+def resolve(path: str, cwd: str, home: str) -> str:
+    """Absolute, clean, and with symlinks resolved through the nearest existing parent."""
+    path = _absolute(path, cwd, home)
     # Non-strict realpath follows every link it can read, dangling ones included, and
     # keeps missing components as they are: a Write through a dangling link creates
     # the link's target, so the target is what must be decided.
@@ -296,6 +307,15 @@ class Policy:
     def _resolve(self, path: str, cwd: str) -> str:
         return resolve(path, cwd, self.home)
 
+    def processPath(self, path: str, cwd: str) -> str | None:
+        """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved."""
+        plain = _absolute(path, cwd, self.home)
+        for p in (plain, self._resolve(path, cwd)):
+            for d in PROCESS_PATHS:
+                if under(p, d):
+                    return d
+        return None
+
     def _denied(self, p: str) -> str | None:
         for d in self.deny:
             if under(p, self._resolve(d, "/")):
@@ -329,7 +349,7 @@ class Policy:
     def whyWritable(self, path: str, cwd: str) -> str | None:
         """The rule that lets a session write ``path``, or None when nothing does."""
         p = self._resolve(path, cwd)
-        if self._denied(p) is not None:
+        if self._denied(p) is not None or self.processPath(path, cwd) is not None:
             return None
         tmp = self._resolve(tempDir(self.environ), "/")
         if under(p, tmp):
@@ -348,7 +368,7 @@ class Policy:
     def whyReadable(self, path: str, cwd: str) -> str | None:
         """The rule that lets a session read ``path``, or None when nothing does."""
         p = self._resolve(path, cwd)
-        if self._denied(p) is not None:
+        if self._denied(p) is not None or self.processPath(path, cwd) is not None:
             return None
         if not any(under(p, c) for c in self.closed()):
             return "outside the closed directories (home, the runtime dir)"
@@ -366,7 +386,7 @@ class Policy:
         inside one) does not count.
         """
         p = self._resolve(path, cwd)
-        for d in (*self.closed(), *(self._resolve(x, "/") for x in self.deny)):
+        for d in (*self.closed(), *(self._resolve(x, "/") for x in self.deny), *PROCESS_PATHS):
             if d != p and under(d, p):
                 return d
         return None

@@ -110,16 +110,24 @@ def listenerUids(port: int, procDir: str = "/proc") -> set[int]:
     return uids
 
 
-def proxyOwner(port: int, procDir: str = "/proc", uid: int | None = None) -> str | None:
+def proxyOwner(
+    port: int,
+    procDir: str = "/proc",
+    uid: int | None = None,
+    dispatched: Callable[[], bool] = lambda: False,
+) -> str | None:
     """None unless another user holds the listening socket on ``port``, else who does.
 
     When the service is down, any local user may listen on the proxy port and
     would then see every connection a sandboxed command makes.  Nobody
-    listening is None too: ``connectTCP`` says so.
+    listening is None too: ``connectTCP`` says so.  The one other holder
+    allowed is the system dispatcher, when ``dispatched()`` says it holds the
+    port and hands this user's connections to this user's service (asked only
+    when another uid holds the port).
     """
     owners = listenerUids(port, procDir)
     me = os.getuid() if uid is None else uid
-    if not owners or owners == {me}:
+    if not owners or owners == {me} or dispatched():
         return None
     return f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not by this user (uid {me})"
 

@@ -100,7 +100,7 @@ def sessionVars(policy: Policy) -> dict[str, str]:
 
     out = dict(policy.sessionVars())
     if policy.egress is not None:
-        out.update(egressVars(policy.egress, signingGitConfig(policy.egress)))
+        out.update(egressVars(policy.egress, signingGitConfig(policy.egress, policy.exe)))
     # srt sets its own over these with --setenv; srtArgv sets them again inside.
     out.update(policy.proxyVars())
     return out
@@ -212,13 +212,30 @@ def missingTools(
     return problems
 
 
+def dispatcherServesMe(config: Config, environ: Mapping[str, str] | None = None) -> bool:
+    """The system dispatcher holds proxy.port and this uid's service is registered with it.
+
+    ``doctor``'s dispatcher check decides it (port served, the port's listener
+    is the dispatcher's uid by SO_PEERCRED, this uid registered), so ``run``
+    and ``doctor`` never disagree about a shared port.
+    """
+    from agentsandbox.doctor import OK, checkDispatcher
+    from agentsandbox.paths import locateDispatchSocket
+
+    env = os.environ if environ is None else environ
+    path = locateDispatchSocket(config.proxy.dispatch_socket, env)
+    if path is None or config.proxy.listen is not None or not os.path.lexists(path):
+        return False
+    return checkDispatcher(config, env, None).status == OK
+
+
 def enforcementProblems(
     config: Config,
     searchPath: str | None,
     which: Callable[..., str | None] = shutil.which,
     proxyCheck: Callable[[int], str | None] = connectTCP,
     brokerCheck: Callable[[str], str | None] = brokerAnswers,
-    ownerCheck: Callable[[int], str | None] = proxyOwner,
+    ownerCheck: Callable[[int], str | None] | None = None,
 ) -> list[Problem]:
     """Every reason the run would not be enforced; empty when it would be."""
     problems = missingTools(searchPath, which)
@@ -232,7 +249,10 @@ def enforcementProblems(
             )
         )
     else:
-        why = ownerCheck(port)
+        if ownerCheck is None:
+            why = proxyOwner(port, dispatched=lambda: dispatcherServesMe(config))
+        else:
+            why = ownerCheck(port)
         if why is not None:
             problems.append(
                 Problem(

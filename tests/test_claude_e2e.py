@@ -39,10 +39,12 @@ from tests.support.claude_harness import (
     freeLoopbackPort,
     getSettings,
     latestClaude,
+    missingFrom,
     mockAPI,
     pinnedClaude,
     runClaude,
     tempLeftoversRemoved,
+    withoutKeys,
 )
 from tests.support.mock_messages import (
     FINAL_PREFIX,
@@ -278,43 +280,15 @@ def test_bash_env_has_no_credentials(claude: ClaudeBinary, world: World, api: Mo
     assert not names & set(CANARY_ENV), f"credentials visible: {sorted(names & set(CANARY_ENV))}"
 
 
-def _without(value: Any, keys: frozenset[str]) -> Any:
-    """``value`` without the object keys in ``keys``, at any depth."""
-    if isinstance(value, dict):
-        return {k: _without(v, keys) for k, v in value.items() if k not in keys}
-    if isinstance(value, list):
-        return [_without(v, keys) for v in value]
-    return value
-
-
-def _contains(effective: Any, wanted: Any, where: str = "") -> list[str]:
-    """Where ``wanted`` is not part of ``effective`` (arrays may have grown by merging)."""
-    if isinstance(wanted, dict):
-        if not isinstance(effective, dict):
-            return [f"{where or '/'}: not an object"]
-        missing = []
-        for k, v in wanted.items():
-            if k not in effective:
-                missing.append(f"{where}/{k}: missing")
-            else:
-                missing += _contains(effective[k], v, f"{where}/{k}")
-        return missing
-    if isinstance(wanted, list):
-        if not isinstance(effective, list):
-            return [f"{where}: not an array"]
-        return [f"{where}: lacks {w!r}" for w in wanted if w not in effective]
-    return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
-
-
 @pytest.mark.claude
 def test_get_settings_shows_drop_in(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
     settings = getSettings(claude.require(), cwd=world.project, env=world.claudeEnv(api))
     policy = [s for s in settings.get("sources", []) if s.get("source") == "policySettings"]
     assert policy, f"no policySettings source: {json.dumps(settings)[:2000]}"
-    expected = _without(managed, claude.ignoredKeys)
-    assert _contains(policy[0].get("settings"), expected) == []
-    assert _contains(settings.get("effective"), expected) == []
+    expected = withoutKeys(managed, claude.ignoredKeys)
+    assert missingFrom(policy[0].get("settings"), expected) == []
+    assert missingFrom(settings.get("effective"), expected) == []
     effective = settings["effective"]
     assert effective["sandbox"]["enabled"] is True
     assert effective["sandbox"]["allowUnsandboxedCommands"] is False
@@ -403,3 +377,114 @@ def test_mock_answers_unscripted_and_bad_requests(api: MockMessagesAPI) -> None:
 def test_mock_listens_on_loopback_only() -> None:
     with pytest.raises(ValueError, match="loopback"):
         MockMessagesAPI(host="0.0.0.0").start()
+
+
+# --- every spelling of a closed path, through the real Claude Code ------------------
+
+#: JavaScript's trim set, whose members Claude Code strips from Grep/Glob paths.
+_TRIMMED = ("\t", " ", "\xa0", "\ufeff", "\u2028", "\u3000", "\u205f", "\u1680")
+
+
+def closedSpellings(world: World) -> list[tuple[str, bool]]:
+    """Spellings of ~/private that Claude Code or the kernel reads as a closed directory.
+
+    Each names ~/private itself (or a look-alike, which is closed too, being
+    under home): ``~`` forms, ``//`` and ``/./``, ``..`` lexical and through a
+    link the sandboxed Bash could make (``up`` -> ~/work, so ``up/..`` is home
+    to the kernel; Node hands a lone surrogate to the kernel as U+FFFD, and
+    ``\ufffd`` is such a link too), /proc/self/root and cwd, a 20 KiB
+    spelling, look-alike letters and a combining mark, each also wrapped in
+    JavaScript-trimmed whitespace where that changes the reading.  The flag
+    is True for spellings that only the kernel's reading (links before
+    ``..``) makes closed: a tool that expands its path with Node's
+    ``path.resolve`` acts on the open lexical path instead.
+    """
+    h, p = str(world.home), str(world.project)
+    forms = [
+        f"{h}/private", "~/private", f"{h}//private", f"/{h}/private", f"{h}/./private/.",
+        f"{p}/../../private", "../../private", f"{h}/work/../private",
+        f"/proc/self/root{h}/private", f"/proc/self/root/../..{h}/private", "/proc/self/cwd/../../private",
+        f"{h}/private/\ud800/..", f"{h}" + "/x/.." * 4000 + "/private",
+        f"{h}/priv\u0430te", f"{h}/private\u0301", f"{h}/PRIVATE",
+    ]
+    wrapped = [f"{_TRIMMED[i % len(_TRIMMED)]}{f}{_TRIMMED[(i + 3) % len(_TRIMMED)]}"
+               for i, f in enumerate([f"{h}/private", "~/private", f"{p}/../../private", "../../private"])]
+    wrapped.append(f"\u3000\ufeff{h}/private\u2028\t")
+    physical = [f"{p}/up/../private", f"{p}/\ud800/../private"]
+    return [(s, False) for s in forms + wrapped] + [(s, True) for s in physical]
+
+
+def _callsFor(tool: str, world: World) -> list[tuple[ToolCall, bool]]:
+    """The tool's calls on every spelling, each with whether it must be refused."""
+    def tail(spelled: str, name: str) -> str:
+        # Whitespace around the directory stays around the whole path.
+        core = spelled.strip("".join(_TRIMMED))
+        return spelled.replace(core, f"{core}/{name}", 1)
+
+    out: list[tuple[ToolCall, bool]] = []
+    for i, (s, physicalOnly) in enumerate(closedSpellings(world)):
+        lexical = not physicalOnly
+        if tool == "Read":
+            out.append((ToolCall("Read", {"file_path": tail(s, "notes.txt")}), lexical))
+        elif tool == "Grep":
+            out.append((ToolCall("Grep", {"pattern": "CANARY", "path": s, "output_mode": "content"}), lexical))
+        elif tool == "Glob":
+            # An absolute pattern's root goes to ripgrep unnormalised (2.1.197).
+            out.append((ToolCall("Glob", {"pattern": tail(s, "*")}), True))
+            out.append((ToolCall("Glob", {"pattern": "*", "path": s}), lexical))
+        elif tool == "Write":
+            out.append((ToolCall("Write", {"file_path": tail(s, f"new-{i}.txt"), "content": "x\n"}), lexical))
+        elif tool == "Edit":
+            out.append((ToolCall("Edit", {"file_path": tail(s, "notes.txt"), "old_string": "CANARY",
+                                          "new_string": "changed"}), lexical))
+        else:
+            out.append((ToolCall("NotebookEdit", {"notebook_path": tail(s, "book.ipynb"), "cell_id": "c1",
+                                                  "new_source": "import os"}), lexical))
+    return out
+
+
+def _refusedByUs(outcome: ToolOutcome, claude: ClaudeBinary) -> bool:
+    """Refused by our hook or the drop-in's rules; on 2.1.197 also by its checks before hooks."""
+    if not outcome.isError:
+        return False
+    if "agentsandbox refused" in outcome.text or "denied by your permission settings" in outcome.text:
+        return True
+    # 2.1.197 validates these before any hook runs (reference §9): the file
+    # must have been read, and the path must exist.
+    before = ("has not been read yet", "does not exist", "Path does not exist")
+    return claude.checksBeforeHooks and any(b in outcome.text for b in before)
+
+
+@pytest.mark.claude
+@pytest.mark.parametrize("tool", ["Read", "Grep", "Glob", "Write", "Edit", "NotebookEdit"])
+def test_no_spelling_of_a_closed_dir_gets_through(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
+                                                  managed: dict[str, Any], tool: str) -> None:
+    """Every spelling is refused by our layers, and no marker of ~/private reaches the model.
+
+    ``play`` checks every request body the mock received for the markers, and
+    that nothing under ~/private changed (no Write created a file there).
+    """
+    links = [world.project / "up", world.project / "\ufffd"]
+    for link in links:
+        link.symlink_to(world.home / "work")
+    try:
+        planned = _callsFor(tool, world)
+        calls = [call for call, _ in planned]
+        # Controls, after the refusals: such spellings of open paths pass.
+        notes = f"\u3000{world.docs}/notes.txt\ufeff"
+        calls += [ToolCall("Read", {"file_path": " README.md"}), ToolCall("Read", {"file_path": notes}),
+                  ToolCall("Grep", {"pattern": "readable-1c5d", "path": f"\t{world.project}/up/repo ",
+                                    "output_mode": "content"})]
+        run = play(claude, world, api, calls, cwd=world.project)
+    finally:
+        for link in links:
+            link.unlink()
+        # A Write through a link's lexical reading lands in the project.
+        shutil.rmtree(world.project / "private", ignore_errors=True)
+    *refusals, relative, padded, grep = run.outcomes
+    leaked = [o for o, (_, mustRefuse) in zip(refusals, planned, strict=True)
+              if mustRefuse and not _refusedByUs(o, claude)]
+    assert not leaked, "not refused by our layers:\n" + "\n".join(
+        f"  {json.dumps(dict(o.input), ensure_ascii=True)[:300]} -> {o.text[:300]}" for o in leaked)
+    for control, text in ((relative, PROJECT_TEXT), (padded, "read-only notes"), (grep, PROJECT_TEXT)):
+        assert not control.isError and text in control.text, run.describe()

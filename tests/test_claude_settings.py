@@ -69,6 +69,29 @@ def test_the_egress_dir_is_re_allowed_for_every_user(user: User, tmp_path: Path)
     assert "//run/user" in s["sandbox"]["filesystem"]["denyRead"]
 
 
+def test_the_same_config_renders_the_same_bytes_for_every_user() -> None:
+    """Homes either side of /opt, /run and /srv in sort order, and root without a runtime
+    dir (a package's postinst, sudo).  Nothing here needs the homes to exist."""
+    from agentsandbox.config import loads
+    from agentsandbox.paths import Paths
+    from agentsandbox.policy import Policy
+
+    toml = (
+        b'[sandbox]\nwrite = ["~/src", "/srv/data"]\nread = ["~/docs", "/opt/tools"]\n'
+        b'deny = ["~/src/secrets", "/srv/data/keys"]\n'
+    )
+    rendered = set()
+    for home, runtime in (("/aaa/ann", "/run/user/1000"), ("/zzz/bob", "/run/user/1001"), ("/root", None)):
+        env = {"HOME": home, "PATH": "/usr/bin:/bin"}
+        if runtime is not None:
+            env["XDG_RUNTIME_DIR"] = runtime
+        config = loads(toml, "/etc/agentsandbox/config.toml", Paths.fromEnvironment(env))
+        rendered.add(claude.dumps(claude.render(Policy.fromConfig(config, env, exe="/usr/bin/agentsandbox"))))
+    assert len(rendered) == 1, "\n---\n".join(sorted(rendered))
+    (text,) = rendered
+    assert "//run/user/*/agentsandbox/egress" in json.loads(text)["sandbox"]["filesystem"]["allowRead"]
+
+
 def test_permission_rules_deny_the_deny_list_and_credentials(user: User) -> None:
     s = claude.render(user.policy('[sandbox]\nwrite = ["~/work"]\ndeny = ["~/work/scan", "/srv/vault"]\n'))
     deny = s["permissions"]["deny"]

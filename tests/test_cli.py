@@ -185,3 +185,27 @@ def test_check_host_resolve_shows_the_address_decision(user: User) -> None:
     assert cli(user, "check", "--config", str(elsewhere), "host", "example.org").returncode == 0
     private = cli(user, "check", "host", "10.1.2.3", "--resolve")
     assert private.returncode == 0 and "10.1.2.3" in private.stdout
+
+
+def test_check_decides_on_the_hooks_readings(user: User) -> None:
+    """``check read|write`` and the hook agree, for every spelling the hook reads specially."""
+    import io
+
+    from agentsandbox import hook
+
+    user.writeConfig('[sandbox]\nread = ["~/projects"]\n')
+    repo = user.home / "projects/repo"
+    (user.home / "private").mkdir()
+    (repo / "link").symlink_to(user.home / "projects/other")
+    spellings = [" ~/private/x", "\ufeff../../private/x\u3000", "link/../../private/x", "/proc/self/environ",
+                 "/dev/stdin", "go.mod", " go.mod", "link/../repo/go.mod", "/etc/hosts", "~/projects/x\t"]
+    for kind, tool in (("read", "Read"), ("write", "Write")):
+        for spelled in spellings:
+            event = {"tool_name": tool, "cwd": str(repo), "tool_input": {"file_path": spelled}}
+            hookAllows = hook.pretooluse(io.BytesIO(json.dumps(event).encode()), user.env) == ""
+            p = cli(user, "check", kind, spelled, "--cwd", str(repo))
+            assert (p.returncode == 0) == hookAllows, (kind, spelled, p.stdout)
+    linked = cli(user, "check", "read", "link/../../private/x", "--cwd", str(repo))
+    assert f"links before '..', to {user.home}/private/x" in linked.stdout
+    proc = cli(user, "check", "read", "/proc/self/environ", "--cwd", str(repo))
+    assert proc.stdout == "refused: /proc/self/environ is inside /proc, which names the reading process's own objects\n"

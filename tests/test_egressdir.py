@@ -151,3 +151,27 @@ def test_signing_wrappers_run_our_command(tmp_path: Path) -> None:
         "gpg.program": str(egress / "gpg"),
         "gpg.ssh.program": str(egress / "ssh-sign"),
     }
+
+
+def test_packaged_wrappers_are_shared_and_used_only_when_they_run_this_install(tmp_path: Path) -> None:
+    from agentsandbox.egressdir import packagedWrappers, signingGitConfig, writeWrappers
+
+    packaged = tmp_path / "libexec"
+    writeWrappers(str(packaged), "/usr/bin/agentsandbox", shared=True)
+    assert packaged.stat().st_mode & 0o777 == 0o755
+    for name in ("gpg", "ssh-sign"):
+        assert (packaged / name).stat().st_mode & 0o777 == 0o755
+    egress = str(tmp_path / "egress")
+    assert dict(signingGitConfig(egress, "/usr/bin/agentsandbox", str(packaged))) == {
+        "gpg.program": str(packaged / "gpg"),
+        "gpg.ssh.program": str(packaged / "ssh-sign"),
+    }
+    # Another install (a pip install in a home) signs through its own copies.
+    assert packagedWrappers("/home/ann/.local/bin/agentsandbox", str(packaged)) is None
+    assert dict(signingGitConfig(egress, "/home/ann/.local/bin/agentsandbox", str(packaged)))["gpg.program"] == (
+        egress + "/gpg"
+    )
+    # Half a set, or none, is not a set.
+    (packaged / "ssh-sign").unlink()
+    assert packagedWrappers("/usr/bin/agentsandbox", str(packaged)) is None
+    assert packagedWrappers("/usr/bin/agentsandbox", str(tmp_path / "absent")) is None

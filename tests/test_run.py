@@ -452,6 +452,8 @@ def test_the_owner_check_reads_the_socket_table(tmp_path: Path) -> None:
     assert probes.proxyOwner(0x0C76, str(tmp_path)) is None
     (net / "tcp").write_text(header + row.format(uid=os.getuid() + 7))
     assert f"held by uid {os.getuid() + 7}" in (probes.proxyOwner(0x0C76, str(tmp_path)) or "")
+    # The system dispatcher's port (doctor's dispatcher check passed) is not a squatter.
+    assert probes.proxyOwner(0x0C76, str(tmp_path), dispatched=lambda: True) is None
     assert probes.proxyOwner(0x0C77, str(tmp_path)) is None  # nobody listens: the connect check says so
 
 

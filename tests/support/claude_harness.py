@@ -56,6 +56,10 @@ ALLOWED_TOOLS = ("Bash", "Read", "Grep", "Glob", "Edit", "Write", "NotebookEdit"
 CANARY_KEY = "AGENTSANDBOX-CANARY-PRIVATE-KEY-7f3a9c1e"
 CANARY_BASHRC = "# AGENTSANDBOX-CANARY-BASHRC-original"
 PROJECT_TEXT = "agentsandbox e2e project file: readable-1c5d"
+#: In ~/private, which no list opens: a line of text, and a file whose name is
+#: itself the marker (a Glob that lists the directory shows it).
+CANARY_PRIVATE = "AGENTSANDBOX-CANARY-PRIVATE-NOTES-4b7e"
+CANARY_PRIVATE_NAME = "agentsandbox-canary-private-name-e81d.txt"
 #: Credential variables planted in Claude Code's own environment.  Each value
 #: is unique so its absence from any output is meaningful.
 CANARY_ENV = {
@@ -326,6 +330,7 @@ class World:
     brokenConfig: Path = field(init=False)
     launcher: Path = field(init=False)
     strayKey: Path = field(init=False)
+    private: Path = field(init=False)
     claudeTmp: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -338,11 +343,12 @@ class World:
         self.brokenConfig = b / "etc" / "broken.toml"
         self.launcher = b / "bin" / "agentsandbox"
         self.strayKey = self.home / "old-laptop" / "id_ed25519"
+        self.private = self.home / "private"
         self.claudeTmp = b / "claude-tmp"
 
     def build(self) -> World:
         for d in (self.home / ".ssh", self.strayKey.parent, self.claudeTmp, self.project, self.docs, self.outside,
-                  self.config.parent, self.launcher.parent):
+                  self.private, self.config.parent, self.launcher.parent):
             d.mkdir(parents=True, exist_ok=True)
         (self.home / ".ssh").chmod(0o700)
         for key in (self.home / ".ssh" / "id_ed25519", self.strayKey):
@@ -355,8 +361,10 @@ class World:
         notebook = {"cells": [{"cell_type": "code", "id": "c1", "metadata": {}, "source": ["print(1)"],
                                "outputs": [], "execution_count": None}],
                     "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-        for d in (self.docs, self.outside):
+        for d in (self.docs, self.outside, self.private):
             (d / "book.ipynb").write_text(json.dumps(notebook))
+        (self.private / "notes.txt").write_text(CANARY_PRIVATE + "\n")
+        (self.private / CANARY_PRIVATE_NAME).write_text("named\n")
         # Write paths are kept out of read paths: 2.1.197 cannot start its
         # sandbox otherwise, and the config loader refuses that layout.
         self.config.write_text(
@@ -373,8 +381,11 @@ class World:
         return self
 
     def secretFiles(self) -> dict[Path, bytes]:
-        files = (self.home / ".ssh" / "id_ed25519", self.strayKey, self.home / ".bashrc")
-        return {p: p.read_bytes() for p in files}
+        """Every protected file's bytes, and the closed ~/private's listing (nothing may appear there)."""
+        files = (self.home / ".ssh" / "id_ed25519", self.strayKey, self.home / ".bashrc",
+                 self.private / "notes.txt", self.private / "book.ipynb")
+        listing = "\n".join(sorted(os.listdir(self.private))).encode()
+        return {**{p: p.read_bytes() for p in files}, self.private: listing}
 
     def agentsandboxEnv(self, config: Path | None = None) -> dict[str, str]:
         env = _baseEnv(str(self.home))
@@ -411,7 +422,7 @@ class World:
         return env
 
     def canaries(self) -> list[str]:
-        return [CANARY_KEY, CANARY_BASHRC, *CANARY_ENV.values()]
+        return [CANARY_KEY, CANARY_BASHRC, CANARY_PRIVATE, CANARY_PRIVATE_NAME, *CANARY_ENV.values()]
 
 
 # --- running claude ----------------------------------------------------------------
@@ -498,7 +509,9 @@ def _resultText(content: Any) -> str:
 
 def _parseLines(stdout: str) -> list[dict[str, Any]]:
     events = []
-    for line in stdout.splitlines():
+    # Lines end at "\n" only: str.splitlines() would also cut at U+0085 and
+    # U+2028, which Claude Code writes unescaped inside its JSON lines.
+    for line in stdout.split("\n"):
         line = line.strip()
         if not line.startswith("{"):
             continue
@@ -527,8 +540,13 @@ def runClaude(
     env: Mapping[str, str],
     api: MockMessagesAPI,
     timeout: float = RUN_TIMEOUT,
+    user: int | None = None,
 ) -> ClaudeRun:
-    """One ``claude -p`` run that plays ``calls`` through the mock, bounded by ``timeout``."""
+    """One ``claude -p`` run that plays ``calls`` through the mock, bounded by ``timeout``.
+
+    ``user``: the uid to run it as (its primary group, no others), for tests that
+    made real users.
+    """
     argv = [
         binary, "-p", scriptPrompt(calls),
         "--output-format", "stream-json", "--verbose",
@@ -540,6 +558,7 @@ def runClaude(
     proc = subprocess.Popen(
         argv, cwd=str(cwd), env=dict(env), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        **asUser(user),
     )
     timedOut = False
     try:
@@ -563,8 +582,17 @@ def _lines(stream: IO[str], into: queue.Queue[str | None]) -> None:
     into.put(None)
 
 
+def asUser(uid: int | None) -> dict[str, Any]:
+    """``subprocess`` arguments that run a child as ``uid`` with only its primary group."""
+    if uid is None:
+        return {}
+    import pwd
+
+    return {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
+
+
 def getSettings(binary: str, *, cwd: Path, env: Mapping[str, str],
-                timeout: float = 60.0) -> dict[str, Any]:
+                timeout: float = 60.0, user: int | None = None) -> dict[str, Any]:
     """The ``get_settings`` control response: ``effective`` and per-source ``sources``.
 
     Asks for nothing that needs the API: ``initialize``, then ``get_settings``,
@@ -574,7 +602,7 @@ def getSettings(binary: str, *, cwd: Path, env: Mapping[str, str],
             "--verbose", "--model", MODEL]
     proc = subprocess.Popen(
         argv, cwd=str(cwd), env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, **asUser(user),
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     lines: queue.Queue[str | None] = queue.Queue()
@@ -639,6 +667,34 @@ def _drain(q: queue.Queue[str | None]) -> str:
         if item is not None:
             parts.append(item)
     return "".join(parts)
+
+
+def withoutKeys(value: Any, keys: frozenset[str]) -> Any:
+    """``value`` without the object keys in ``keys``, at any depth."""
+    if isinstance(value, dict):
+        return {k: withoutKeys(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [withoutKeys(v, keys) for v in value]
+    return value
+
+
+def missingFrom(effective: Any, wanted: Any, where: str = "") -> list[str]:
+    """Where ``wanted`` is not part of ``effective`` (arrays may have grown by merging)."""
+    if isinstance(wanted, dict):
+        if not isinstance(effective, dict):
+            return [f"{where or '/'}: not an object"]
+        missing = []
+        for k, v in wanted.items():
+            if k not in effective:
+                missing.append(f"{where}/{k}: missing")
+            else:
+                missing += missingFrom(effective[k], v, f"{where}/{k}")
+        return missing
+    if isinstance(wanted, list):
+        if not isinstance(effective, list):
+            return [f"{where}: not an array"]
+        return [f"{where}: lacks {w!r}" for w in wanted if w not in effective]
+    return [] if effective == wanted else [f"{where}: {effective!r} != {wanted!r}"]
 
 
 @contextmanager

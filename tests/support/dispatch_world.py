@@ -1,8 +1,8 @@
 """Real Unix users behind one dispatcher: users made with ``useradd``, processes run as them.
 
 ``SystemUsers`` creates users for a test (and removes them), holding the
-system lock ``/tmp/agentsandbox-system.lock`` meanwhile, since useradd writes
-/etc.  ``DispatchWorld`` runs a dispatcher as ``nobody`` on a free port and a
+lock ``/tmp/agentsandbox-users.lock`` meanwhile, since useradd writes /etc
+(a lock of its own: a run held under a wider lock must not wait on itself).  ``DispatchWorld`` runs a dispatcher as ``nobody`` on a free port and a
 registration socket under a test directory, plus one ``agentsandbox serve`` per
 user that has a config, each as that user, registering through
 ``$AGENTSANDBOX_DISPATCH_SOCKET``.  Clients run as the user too (setpriv), so
@@ -28,7 +28,7 @@ from typing import Any
 from tests.support.broker_support import waitFor
 from tests.support.service_process import NOBODY, REPO, ServiceProcess, UserDirs
 
-SYSTEM_LOCK = "/tmp/agentsandbox-system.lock"
+USERS_LOCK = "/tmp/agentsandbox-users.lock"
 REGISTERED = re.compile(r"egress proxy (re-)?registered with the dispatcher")
 
 
@@ -55,8 +55,8 @@ def usersAvailable() -> str | None:
 
 @contextlib.contextmanager
 def systemUsers(count: int) -> Iterator[list[UnixUser]]:
-    """``count`` new users (no home, no login shell), removed afterwards, under the system lock."""
-    with open(SYSTEM_LOCK, "a") as lock:
+    """``count`` new users (no home, no login shell), removed afterwards, under the users lock."""
+    with open(USERS_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         made: list[UnixUser] = []
         try:
