@@ -66,7 +66,8 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from agentsandbox.config import InjectRule, TokenSource
-from agentsandbox.egress.inject import MAX_HEAD, Route, _Tunnel, _Upstream
+from agentsandbox.egress.http11 import MAX_HEAD
+from agentsandbox.egress.inject import Route, _Tunnel, _Upstream
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
