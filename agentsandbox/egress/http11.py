@@ -246,14 +246,20 @@ def fieldLines(fields: list[tuple[bytes, bytes]]) -> bytes:
 class LengthBody:
     """A body of ``Content-Length`` bytes, passed through as it arrives."""
 
-    __slots__ = ("left",)
+    __slots__ = ("left", "length")
 
     def __init__(self, length: int) -> None:
+        self.length = length
         self.left = length
 
     @property
     def done(self) -> bool:
         return not self.left
+
+    @property
+    def payload(self) -> int:
+        """Body bytes passed so far."""
+        return self.length - self.left
 
     def feed(self, buf: bytearray, out: list[bytes]) -> None:
         """Take what ``buf`` holds of the body (deleting it), appending it to ``out``."""
@@ -276,12 +282,21 @@ class LengthBody:
 class UntilClose:
     """A response body delimited by the connection's close (RFC 9112 §6.3 rule 8)."""
 
-    __slots__ = ()
+    __slots__ = ("payload",)
     done = False
 
+    def __init__(self) -> None:
+        self.payload = 0
+
     def feed(self, buf: bytearray, out: list[bytes]) -> None:
+        self.payload += len(buf)
         out.append(bytes(buf))
         buf.clear()
+
+    def split(self, data: bytes) -> tuple[bytes, bytes]:
+        """(``data``, nothing): every byte until the close is body."""
+        self.payload += len(data)
+        return data, b""
 
 
 class ChunkedBody:
@@ -296,6 +311,8 @@ class ChunkedBody:
     _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
 
     def __init__(self, refusal: int) -> None:
+        #: Chunk data bytes passed so far (the framing not counted).
+        self.payload = 0
         self._state = self._SIZE
         self._left = 0
         self._trailer = 0
@@ -316,6 +333,7 @@ class ChunkedBody:
                 take = min(self._left, end - pos)
                 out.append(b"%x\r\n%b\r\n" % (take, bytes(buf[pos : pos + take])))
                 pos += take
+                self.payload += take
                 self._left -= take
                 if not self._left:
                     self._state = self._DATA_END

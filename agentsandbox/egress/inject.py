@@ -439,7 +439,7 @@ class _Tunnel(Protocol):
                 if not self._startRequest(buf, out):
                     break
         except Refused as e:
-            self._refuse(e.status, f"refused: {e.why}")
+            self._refuse(e.status, e.text)
             return
         if out and not self._closed:
             self._forward(out)
