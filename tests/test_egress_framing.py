@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet import defer, reactor
+from twisted.internet import defer
 from twisted.internet.error import ConnectionDone
 from twisted.trial import unittest
 
 from agentsandbox.egress.http11 import MAX_HEAD
-from tests.support.egress_fixtures import Collector, ProxyHarness
+from tests.support.egress_fixtures import Collector, ProxyHarness, reactor
 from tests.test_inject import SMUGGLING
 from tests.test_inject_differential import oursOnRequests
 from tests.test_inject_framing import Close, ScriptedFactory, _dechunk
@@ -41,7 +41,7 @@ class ForwardFraming(unittest.TestCase):
         """A scripted origin on 127.0.0.1 and a proxy whose allow list names exactly it."""
         self.origin = ScriptedFactory(script)
         self.addCleanup(self.origin.cancel)
-        listening = reactor.listenTCP(0, self.origin, interface="127.0.0.1")  # type: ignore[attr-defined]
+        listening = reactor.listenTCP(0, self.origin, interface="127.0.0.1")
         self.addCleanup(listening.stopListening)
         self.authority = b"127.0.0.1:%d" % listening.getHost().port
         self.proxy = ProxyHarness([self.authority.decode()])
