@@ -44,6 +44,7 @@ from agentsandbox.egress.http11 import (
     connectionTokens,
     fieldLines,
     forwardable,
+    oneHost,
     requestBody,
     responseBody,
     takeRequestHead,
@@ -66,7 +67,6 @@ NOT_A_PROXY_REQUEST = (
     "and tunnels everything else with CONNECT host:port"
 )
 ONLY_HTTP11 = Refused(505, "only HTTP/1.1 is forwarded through the sandbox's proxy")
-ONE_HOST = Refused(400, "a request needs exactly one Host header")
 
 
 def errorReply(status: int, text: str) -> bytes:
@@ -201,8 +201,10 @@ class HTTPHandler:
         if head.minor != 1:
             self.fail(ONLY_HTTP11.status, ONLY_HTTP11.text, parse=True)
             return
-        if len(head.values(b"host")) != 1:
-            self.fail(ONE_HOST.status, ONE_HOST.text, parse=True)
+        try:
+            oneHost(head)
+        except Refused as e:
+            self.fail(e.status, e.text, parse=True)
             return
         exchange = ForwardExchange(self, head, target)
         self.exchange = exchange

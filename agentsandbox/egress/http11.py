@@ -217,6 +217,18 @@ def takeResponseHead(buf: bytearray) -> Head | None:
     return head
 
 
+#: RFC 9112 §3.2: a request with no Host, or more than one, is answered 400.
+ONE_HOST = "a request needs exactly one Host header"
+
+
+def oneHost(head: Head) -> bytes:
+    """A request's one ``Host`` value, or ``Refused``."""
+    hosts = head.values(b"host")
+    if len(hosts) != 1:
+        raise Refused(400, ONE_HOST)
+    return hosts[0]
+
+
 def connectionTokens(fields: tuple[tuple[bytes, bytes], ...]) -> set[bytes]:
     """The lower-case options every ``Connection`` field lists."""
     return {t.strip().lower() for n, v in fields if n == b"connection" for t in v.split(b",")}

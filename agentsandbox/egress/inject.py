@@ -60,6 +60,7 @@ from zope.interface import implementer
 from agentsandbox.config import InjectRule
 from agentsandbox.egress.http11 import (
     HOP_BY_HOP,
+    ONE_HOST,
     Body,
     Refused,
     UntilClose,
@@ -481,7 +482,7 @@ class _Tunnel(Protocol):
             if name != own:
                 lines += (name, b": ", value, b"\r\n")
         if hosts != 1:
-            raise Refused(400, "a request needs exactly one Host header")
+            raise Refused(400, ONE_HOST)
         closeAfter = upgrading = False
         if connection:
             named = connectionTokens(head.fields)
