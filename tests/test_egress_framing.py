@@ -128,6 +128,14 @@ class ForwardFraming(unittest.TestCase):
         self.assertEqual(self.origin.connections, 0)
 
     @defer.inlineCallbacks
+    def test_connectAsHttp10WithoutHostOpensTheTunnel(self) -> Any:
+        # Python 3.11's http.client tunnels so: HTTP/1.0, no Host.
+        yield self.serve({})
+        client = yield self.send(b"CONNECT " + self.authority + b" HTTP/1.0\r\n\r\nthrough the tunnel")
+        self.assertTrue(bytes(client.received).startswith(b"HTTP/1.1 200 Connection established\r\n\r\n"), client.received)
+        self.assertEqual(self.origin.raw, b"through the tunnel")
+
+    @defer.inlineCallbacks
     def test_aBadChunkInTheFirstSegmentReachesNoOrigin(self) -> Any:
         yield self.serve({b"/up": ([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], False)})
         raw = self.absolute(b"POST /up HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")

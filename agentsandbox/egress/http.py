@@ -42,8 +42,7 @@ from agentsandbox.egress.http11 import (
     Refused,
     UntilClose,
     connectionTokens,
-    fieldLines,
-    forwardable,
+    forwardedLines,
     oneHost,
     requestBody,
     responseBody,
@@ -288,7 +287,7 @@ class ForwardExchange:
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         head = self.head
         lines = [self.method, b" ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", authority, b"\r\n"]
-        lines.append(fieldLines(forwardable(head.fields, _HOST_ONLY)))
+        lines.append(forwardedLines(head.fields, _HOST_ONLY))
         if head.chunked:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"connection: close\r\n\r\n")
@@ -434,7 +433,7 @@ class ForwardExchange:
         if status[0] == 0x31:  # 1xx
             if status == b"101":
                 raise Refused(502, "switched protocols without being asked to")
-            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, fieldLines(forwardable(head.fields))))
+            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
             return False
         body = responseBody(head, self.method)
         extra = b""
@@ -447,7 +446,7 @@ class ForwardExchange:
                 extra = b"transfer-encoding: chunked\r\n"
             if self.closeAfter:
                 extra += b"connection: close\r\n"
-        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, fieldLines(forwardable(head.fields)), extra))
+        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
         self.responseStarted = True
         self.status = int(status)
         self.responseBody = body

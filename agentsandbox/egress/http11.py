@@ -26,8 +26,8 @@ What it owns:
   trailers) and ``UntilClose``; ``requestBody`` and ``responseBody`` decide
   which one a head calls for.  Their work is per read or per chunk, never per
   byte.
-* ``HOP_BY_HOP`` and ``forwardable``: the one table of fields that never
-  cross a proxy, and the fields a head passes on (also dropping every
+* ``HOP_BY_HOP`` and ``forwardedLines``: the one table of fields that never
+  cross a proxy, and the field lines a head passes on (also dropping every
   ``Proxy-*`` field and those its ``Connection`` names, never the framing).
 
 Nothing here does IO, logs, or knows which path it serves.
@@ -44,7 +44,7 @@ MAX_HEAD = 64 * 1024
 MAX_CHUNK_LINE = 4096
 
 #: Fields that never cross a proxy, either direction (RFC 9110 §7.6.1's
-#: hop-by-hop fields plus the proxy's own); ``forwardable`` also drops every
+#: hop-by-hop fields plus the proxy's own); ``forwardedLines`` also drops every
 #: ``Proxy-*`` field.  ``Transfer-Encoding`` is here because both paths
 #: re-frame a chunked body and say ``chunked`` themselves.
 HOP_BY_HOP = frozenset(
@@ -234,22 +234,25 @@ def connectionTokens(fields: tuple[tuple[bytes, bytes], ...]) -> set[bytes]:
     return {t.strip().lower() for n, v in fields if n == b"connection" for t in v.split(b",")}
 
 
-def forwardable(
-    fields: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()
-) -> list[tuple[bytes, bytes]]:
-    """The fields a proxy passes on: none of ``HOP_BY_HOP``, no ``Proxy-*``,
-    none its ``Connection`` names (except the framing), none in ``drop``."""
-    gone = HOP_BY_HOP | drop
+#: ``HOP_BY_HOP | drop`` per ``drop`` a caller passes (a few constants).
+_GONE: dict[frozenset[bytes], frozenset[bytes]] = {}
+
+
+def forwardedLines(fields: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()) -> bytes:
+    """The ``name: value`` lines (each with its CRLF) a proxy passes on: no
+    field of ``HOP_BY_HOP``, no ``Proxy-*``, none its ``Connection`` names
+    (except the framing), none in ``drop``."""
+    gone = _GONE.get(drop)
+    if gone is None:
+        gone = _GONE[drop] = HOP_BY_HOP | drop
     for name, _ in fields:
         if name == b"connection":
             gone = gone | (connectionTokens(fields) - FRAMING)
             break
-    return [(n, v) for n, v in fields if n not in gone and n[:6] != b"proxy-"]
-
-
-def fieldLines(fields: list[tuple[bytes, bytes]]) -> bytes:
-    """``name: value`` lines, each with its CRLF."""
-    return b"".join([b"%b: %b\r\n" % (n, v) for n, v in fields])
+    # (n[0] first: an int, so no slice is made for names that cannot match)
+    return b"".join(
+        [b"%b: %b\r\n" % (n, v) for n, v in fields if n not in gone and not (n[0] == 0x70 and n[:6] == b"proxy-")]
+    )
 
 
 # ---------------------------------------------------------------------- bodies

@@ -65,8 +65,7 @@ from agentsandbox.egress.http11 import (
     Refused,
     UntilClose,
     connectionTokens,
-    fieldLines,
-    forwardable,
+    forwardedLines,
     requestBody,
     responseBody,
     takeRequestHead,
@@ -471,7 +470,7 @@ class _Tunnel(Protocol):
         connection = False
         upgrade = None
         for name, value in head.fields:
-            if name in _NOT_FORWARDED or name[:6] == b"proxy-":
+            if name in _NOT_FORWARDED or (name[0] == 0x70 and name[:6] == b"proxy-"):
                 if name == b"host":
                     hosts += 1
                 elif name == b"connection":
@@ -488,9 +487,9 @@ class _Tunnel(Protocol):
             named = connectionTokens(head.fields)
             closeAfter = b"close" in named
             if named & {n for n, _ in head.fields}:
-                # (forwardable never drops the framing a Connection names)
+                # (forwardedLines never drops the framing a Connection names)
                 drop = frozenset({b"host", b"authorization", own})
-                lines = [*lines[:5], fieldLines(forwardable(head.fields, drop))]
+                lines = [*lines[:5], forwardedLines(head.fields, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
                 upgrading = True
@@ -834,10 +833,10 @@ class _Upstream(Protocol):
                     raise Refused(502, "switched to something other than websocket")
                 out.append(
                     b"HTTP/1.1 101 %b\r\n%bconnection: upgrade\r\nupgrade: %b\r\n\r\n"
-                    % (reason, fieldLines(forwardable(head.fields)), upgrade[0])
+                    % (reason, forwardedLines(head.fields), upgrade[0])
                 )
                 return _SWITCHED
-            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, fieldLines(forwardable(head.fields))))
+            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
             return _HEAD
         extra = b""
         if head.minor == 0 or b"close" in connectionTokens(head.fields):
@@ -854,7 +853,7 @@ class _Upstream(Protocol):
                 tunnel._closeAfter = True
         if tunnel is not None and tunnel._closeAfter and not untilClose:
             extra += b"connection: close\r\n"
-        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, fieldLines(forwardable(head.fields)), extra))
+        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
         self._body = body
         self._state = state = _IDLE if body is None else _BODY
         return state
