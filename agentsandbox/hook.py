@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import sys
 from fnmatch import fnmatchcase
 
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 
 MAX_INPUT = 1024 * 1024
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 
 #: What JavaScript's String.prototype.trim() removes: ECMAScript WhiteSpace and
 #: LineTerminator (checked against node in the tests).  Python's str.strip()
@@ -41,8 +40,7 @@ JS_WHITESPACE = (
     "\u2028\u2029\u202f\u205f\u3000\ufeff"
 )
 #: The characters Claude Code's Glob takes as the start of a wildcard.
-_GLOB_START = re.compile(r"[*?\[{]")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_GLOB_START = r"[*?\[{]"
 
 #: The whole stdout when even building a deny fails: a static, valid deny.
 LAST_RESORT = (
@@ -102,7 +100,11 @@ def jsTrim(text: str) -> str:
 
 def _fsText(path: str) -> str:
     """The path Node hands the kernel: a lone surrogate becomes U+FFFD in its UTF-8."""
-    return _LONE_SURROGATE.sub("\ufffd", path)
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in path)
+    return path
 
 
 def _joined(text: str, cwd: str, home: str) -> str:
@@ -216,7 +218,7 @@ def globSplit(pattern: str) -> tuple[str, str]:
     wildcard, or the pattern's dirname when it has none; it is handed to
     ripgrep unnormalised.  A relative pattern is all rest ('' root).
     """
-    match = _GLOB_START.search(pattern)
+    match = re.search(_GLOB_START, pattern)
     literal = pattern if match is None else pattern[: match.start()]
     if match is None:
         stripped = pattern.rstrip("/") or "/"
@@ -440,7 +442,7 @@ def credentialNames(
     return sorted(
         name
         for name in environ
-        if _NAME.match(name)
+        if re.fullmatch(_NAME, name)
         and any(fnmatchcase(name, p) for p in patterns)
         and not any(fnmatchcase(name, k) for k in keep)
     )
@@ -469,6 +471,8 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
         for n in credentialNames(environ, config.sandbox.unset_env, config.sandbox.keep_env)
         if n not in exports
     ]
+    import shlex
+
     lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(exports.items())]
     lines += [f"unset {n}" for n in names]
     from agentsandbox.claude import drift
