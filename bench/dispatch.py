@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "--serve":
         kind, rest = args[1], args[2:]
         if kind == "origin":
-            egress.serveOrigin(int(rest[0]), int(rest[1]), int(rest[2]))
+            # The http port (bench/egress.py's forward-path figures) is served but not measured here.
+            egress.serveOrigin(int(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]), 0)
         elif kind == "direct":
             egress.serveAgentsandbox(int(rest[0]), [int(rest[1]), int(rest[2])], True, rest[3])
         elif kind == "registered":
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.join(work, name))
     devnull = open(os.devnull, "wb")  # noqa: SIM115 (lives as long as the run)
     procs: dict[str, subprocess.Popen[bytes]] = {
-        "origin": child("origin", str(bulkPort), str(echoPort), str(size)),
+        "origin": child("origin", str(bulkPort), str(echoPort), str(size), str(egress.freePort())),
         "direct": child("direct", str(directPort), str(bulkPort), str(echoPort), os.path.join(work, "direct")),
         "dispatcher": subprocess.Popen(
             [sys.executable, "-m", "agentsandbox", "dispatch", "--port", str(dispatchPort), "--socket", sock],

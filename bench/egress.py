@@ -6,7 +6,11 @@ Measures, on this machine and in this run:
   * bulk: one tunnel carrying --bulk-mib MiB, client -> proxy -> origin, MB/s;
   * new tunnels per second: --concurrency clients each doing CONNECT, a 1-byte
     echo and close, --tunnels in all;
-  * the proxy's RSS holding --hold open tunnels.
+  * the proxy's RSS holding --hold open tunnels;
+  * the plain http:// forward path: one GET of --forward-mib MiB (MB/s) and
+    keep-alive forwarded requests/s driven by wrk (absolute-form GETs of a tiny
+    resource over --connections connections; every forwarded request is a new
+    connection to the origin, as the proxy does);
 for a direct connection (no proxy), squid (apt; configured for CONNECT from a
 temp dir on loopback), a bare Twisted CONNECT splice (~60 lines, no policy), and
 agentsandbox twice: with its zero-copy splice(2) and with Twisted's copy loop.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,9 +43,41 @@ SQUID = shutil.which("squid") or "/usr/sbin/squid"
 # --------------------------------------------------------------------------- servers (child processes)
 
 
-def serveOrigin(bulkPort: int, echoPort: int, bulkBytes: int) -> None:
-    """Origin: the bulk port sends ``bulkBytes`` then closes; the echo port echoes 1 byte."""
+def serveOrigin(bulkPort: int, echoPort: int, bulkBytes: int, httpPort: int, forwardBytes: int) -> None:
+    """Origin: the bulk port sends ``bulkBytes`` then closes; the echo port echoes 1 byte;
+    the http port answers ``GET /bulk`` with ``forwardBytes`` and anything else with 2 bytes."""
     block = memoryview(os.urandom(1 << 20))
+
+    def httpClient(conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            try:
+                while True:
+                    while b"\r\n\r\n" not in buf:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        buf += data
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    if head.split(b" ", 2)[1].endswith(b"/bulk"):
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % forwardBytes)
+                        left = forwardBytes
+                        while left:
+                            n = min(left, len(block))
+                            conn.sendall(block[:n])
+                            left -= n
+                    else:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok")
+            except OSError:
+                pass
+
+    def httpLoop() -> None:
+        s = socket.create_server(("127.0.0.1", httpPort), backlog=1024)
+        while True:
+            conn, _ = s.accept()
+            threading.Thread(target=httpClient, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=httpLoop, daemon=True).start()
 
     def bulkClient(conn: socket.socket) -> None:
         with conn:
@@ -245,6 +282,66 @@ def tunnelsPerSecond(proxyPort: int | None, target: int, total: int, concurrency
     return asyncio.run(run())
 
 
+def forwardBulk(proxyPort: int | None, httpPort: int, size: int) -> float:
+    """MB/s for one forwarded GET of ``size`` bytes (or direct, without a proxy)."""
+    start = time.perf_counter()
+    s = socket.create_connection(("127.0.0.1", proxyPort or httpPort))
+    target = f"http://127.0.0.1:{httpPort}/bulk" if proxyPort else "/bulk"
+    s.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{httpPort}\r\n\r\n".encode())
+    data = b""
+    with s:
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise SystemExit(f"forward via {proxyPort} closed before the head: {data!r}")
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise SystemExit(f"forward via {proxyPort}: {head!r}")
+        got = len(rest)
+        buf = bytearray(1 << 20)
+        while got < size:
+            n = s.recv_into(buf)
+            if not n:
+                raise SystemExit(f"forward bulk ended early at {got} of {size} bytes")
+            got += n
+    return size / (time.perf_counter() - start) / 1e6
+
+
+WRK_PROXY = """
+wrk.path = "http://127.0.0.1:PORT/small"
+wrk.headers["Host"] = "127.0.0.1:PORT"
+"""
+
+
+def forwardRate(proxyPort: int | None, httpPort: int, seconds: float, connections: int, pid: int | None) -> tuple[float, float]:
+    """(keep-alive requests/s, requests per proxy CPU-second) through wrk; (nan, nan) without wrk."""
+    if shutil.which("wrk") is None:
+        return float("nan"), float("nan")
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s"]
+    script = None
+    if proxyPort:
+        fd, script = tempfile.mkstemp(suffix=".lua")
+        with os.fdopen(fd, "w") as f:
+            f.write(WRK_PROXY.replace("PORT", str(httpPort)))
+        argv += ["-s", script, f"http://127.0.0.1:{proxyPort}/"]
+    else:
+        argv.append(f"http://127.0.0.1:{httpPort}/small")
+    before = cpuSeconds(pid)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60).stdout
+    finally:
+        if script:
+            os.unlink(script)
+    cpu = cpuSeconds(pid) - before
+    rate = re.search(r"Requests/sec:\s+([0-9.]+)", out)
+    total = re.search(r"(\d+) requests in", out)
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if rate is None or total is None or bad is not None:
+        raise SystemExit(f"wrk through {proxyPort}: {out[-400:]}")
+    return float(rate.group(1)), (int(total.group(1)) / cpu if cpu > 0 else float("nan"))
+
+
 def cpuSeconds(pid: int | None) -> float:
     """User + system CPU seconds the process has used (0 for no process)."""
     if pid is None:
@@ -321,23 +418,29 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] == "--serve":
         kind, rest = args[1], args[2:]
         if kind == "origin":
-            serveOrigin(int(rest[0]), int(rest[1]), int(rest[2]))
+            serveOrigin(int(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         elif kind == "bare":
             serveBare(int(rest[0]))
         elif kind in ("agentsandbox", "agentsandbox-copy"):
-            serveAgentsandbox(int(rest[0]), [int(rest[1]), int(rest[2])], kind == "agentsandbox", rest[3])
+            serveAgentsandbox(int(rest[0]), [int(p) for p in rest[1:4]], kind == "agentsandbox", rest[4])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bulk-mib", type=int, default=1024)
     p.add_argument("--tunnels", type=int, default=5000)
     p.add_argument("--concurrency", type=int, default=50)
     p.add_argument("--hold", type=int, default=500)
+    p.add_argument("--forward-mib", type=int, default=256)
+    p.add_argument("--forward-seconds", type=float, default=3.0)
+    p.add_argument("--connections", type=int, default=8, help="wrk's connections for the forward rate")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     opts = p.parse_args(args)
     size = opts.bulk_mib << 20
     work = tempfile.mkdtemp(prefix="egress-bench-")
-    bulkPort, echoPort = freePort(), freePort()
-    procs: dict[str, subprocess.Popen[bytes]] = {"origin": child("origin", str(bulkPort), str(echoPort), str(size))}
+    bulkPort, echoPort, httpPort = freePort(), freePort(), freePort()
+    forwardSize = opts.forward_mib << 20
+    procs: dict[str, subprocess.Popen[bytes]] = {
+        "origin": child("origin", str(bulkPort), str(echoPort), str(size), str(httpPort), str(forwardSize))
+    }
     ports: dict[str, int | None] = {"direct": None}
     squidPort = freePort()
     squid = startSquid(work, squidPort)
@@ -351,10 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         state = os.path.join(work, kind)
         os.makedirs(state)
         ports[name] = proxyPort
-        procs[name] = child(kind, str(proxyPort), str(bulkPort), str(echoPort), state)
+        procs[name] = child(kind, str(proxyPort), str(bulkPort), str(echoPort), str(httpPort), state)
     try:
         waitPort(bulkPort)
         waitPort(echoPort)
+        waitPort(httpPort)
         for port in ports.values():
             if port is not None:
                 waitPort(port)
@@ -381,6 +485,26 @@ def main(argv: list[str] | None = None) -> int:
         results = {
             name: tuple(statistics.median(x[i] for x in got) for i in range(3))
             for name, got in samples.items()
+        }
+        # The forward path: only proxies that forward http:// (not the bare splice).
+        forwarders = [n for n in ports if n in ("direct", "squid", "agentsandbox")]
+        for name in forwarders:
+            forwardBulk(ports[name], httpPort, 16 << 20)  # warm up
+        fsamples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in forwarders}
+        for r in range(opts.rounds):
+            for name in forwarders:
+                pid = procs[name].pid if name in procs else None
+                mbs = forwardBulk(ports[name], httpPort, forwardSize)
+                rps, perCPU = forwardRate(ports[name], httpPort, opts.forward_seconds, opts.connections, pid)
+                fsamples[name].append((mbs, rps, perCPU))
+                print(
+                    f"  round {r + 1} forward {name:16s} bulk {mbs:8.0f} MB/s   {rps:8.0f} requests/s"
+                    f"   {perCPU:8.0f} requests per proxy CPU-second",
+                    flush=True,
+                )
+        fresults = {
+            name: tuple(statistics.median(x[i] for x in got) for i in range(3))
+            for name, got in fsamples.items()
         }
         idle, held = rssWithTunnels(procs["agentsandbox"].pid, ports["agentsandbox"] or 0, echoPort, opts.hold)
     finally:
@@ -425,6 +549,19 @@ def main(argv: list[str] | None = None) -> int:
         shown = " ".join(f"{x:.2f}" for x in pairs)
         print(f"  {label} vs bare, median of per-round pairs: {statistics.median(pairs):.2f}x ({shown})")
     print(f"  RSS: {idle:.0f} MB idle, {held:.0f} MB holding {opts.hold} tunnels")
+    print()
+    print(
+        f"forward path (http://), medians of {opts.rounds} rounds: one GET of {opts.forward_mib} MiB; "
+        f"wrk keep-alive GETs over {opts.connections} connections for {opts.forward_seconds:g}s"
+    )
+    for name, (mbs, rps, perCPU) in fresults.items():
+        cpuText = f"{perCPU:8.0f} requests/proxy CPU-s" if name != "direct" else ""
+        print(f"  {name:24s} {mbs:8.0f} MB/s {rps:8.0f} requests/s {cpuText}")
+    fours = fresults["agentsandbox"]
+    print(f"  forward bulk vs direct: {fours[0] / fresults['direct'][0]:.2f}x")
+    if "squid" in fresults:
+        fsquid = fresults["squid"]
+        print(f"  forward bulk vs squid: {fours[0] / fsquid[0]:.2f}x; requests/s vs squid: {fours[1] / fsquid[1]:.2f}x")
     return 0
 
 

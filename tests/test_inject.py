@@ -16,7 +16,7 @@ from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
 from agentsandbox.config import InjectRule, TokenSource, githubRules
-from agentsandbox.egress.inject import headAnomaly
+from agentsandbox.egress.http11 import headAnomaly
 from tests.support.inject_github import RawWebSocketish, documentationAddress
 from tests.support.inject_harness import TOKEN, FixedToken, InjectHarness, LogCapture
 

@@ -66,7 +66,8 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from agentsandbox.config import InjectRule, TokenSource
-from agentsandbox.egress.inject import MAX_HEAD, Route, _Tunnel, _Upstream
+from agentsandbox.egress.http11 import MAX_HEAD
+from agentsandbox.egress.inject import Route, _Tunnel, _Upstream
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
@@ -590,31 +591,35 @@ def headerLine(draw: st.DrawFn, rate: int, names: list[bytes]) -> bytes:
     return line  # type: ignore[no-any-return]
 
 
+#: The terminated tunnel's targets: (usual, odd).
+TUNNEL_TARGETS = (
+    [b"/", b"/a/b?c=d", b"/%7e", b"https://api.example.com/x", b"https://API.example.com:443"],
+    [
+        b"*",
+        b"https://api.example.com:8443/",
+        b"https://api.example.com.example.net/",
+        b"http://api.example.com/",
+        b"/\xe9",
+        b"/a b",
+        b"//x",
+        b"https://u@api.example.com/",
+        b"",
+        b"/a\x7f",
+    ],
+)
+
+
 @st.composite
-def request(draw: st.DrawFn, rate: int) -> bytes:
+def request(
+    draw: st.DrawFn, rate: int, targets: tuple[list[bytes], list[bytes]] = TUNNEL_TARGETS
+) -> bytes:
     method = pick(
         draw,
         rate,
         [b"GET", b"GET", b"POST", b"PUT", b"HEAD", b"DELETE", b"OPTIONS", b"PATCH"],
         [b"TRACE", b"CONNECT", b"get", b"G@T", b"M-SEARCH", b""],
     )
-    target = pick(
-        draw,
-        rate,
-        [b"/", b"/a/b?c=d", b"/%7e", b"https://api.example.com/x", b"https://API.example.com:443"],
-        [
-            b"*",
-            b"https://api.example.com:8443/",
-            b"https://api.example.com.example.net/",
-            b"http://api.example.com/",
-            b"/\xe9",
-            b"/a b",
-            b"//x",
-            b"https://u@api.example.com/",
-            b"",
-            b"/a\x7f",
-        ],
-    )
+    target = pick(draw, rate, *targets)
     sp = pick(draw, rate, b" ", [b"  ", b"\t"])
     version = pick(
         draw,
@@ -663,9 +668,13 @@ def _truncated(draw: st.DrawFn, stream: bytes) -> bytes:
 
 
 @st.composite
-def requestStream(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
+def requestStream(
+    draw: st.DrawFn, targets: tuple[list[bytes], list[bytes]] = TUNNEL_TARGETS
+) -> tuple[bytes, list[bytes]]:
     rate = draw(ODDNESS)
-    stream = _truncated(draw, b"".join(draw(st.lists(request(rate), min_size=1, max_size=3))))
+    stream = _truncated(
+        draw, b"".join(draw(st.lists(request(rate, targets), min_size=1, max_size=3)))
+    )
     return stream, _pieces(draw, stream)
 
 

@@ -18,7 +18,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
-from agentsandbox.egress.inject import ChunkedBody, Refused, parseRequestHead, parseResponseHead
+from agentsandbox.egress.http11 import ChunkedBody, Refused, parseRequestHead, parseResponseHead
 from tests.support.inject_github import documentationAddress
 from tests.support.inject_harness import TOKEN, AnySNI, InjectHarness, LogCapture
 
@@ -51,7 +51,7 @@ class Parsers(unittest.TestCase):
     def test_aRequestHeadIsSplitIntoLowerCaseFields(self) -> None:
         head = parseRequestHead(b"POST /x?y HTTP/1.1\r\nHost: a\r\nX-Thing:  v  w \r\nContent-Length: 12\r\n\r\n")
         self.assertEqual(head.start, (b"POST", b"/x?y"))
-        self.assertEqual(head.fields, [(b"host", b"a"), (b"x-thing", b"v  w"), (b"content-length", b"12")])
+        self.assertEqual(list(head.fields), [(b"host", b"a"), (b"x-thing", b"v  w"), (b"content-length", b"12")])
         self.assertEqual((head.length, head.chunked, head.minor), (12, False, 1))
 
     def test_requestRefusals(self) -> None:

@@ -11,7 +11,7 @@ for us, and its ``call`` verb takes the exact D-Bus signature
 with nothing hand-marshalled.  A library would be a new runtime dependency for one
 call a session makes rarely: ``txdbus`` is unmaintained, ``jeepney`` and
 ``dbus-python`` are not among the project's dependencies (twisted, cryptography,
-pyOpenSSL, service-identity, zope.interface, h11) and dbus-python wants a GLib loop.
+pyOpenSSL, service-identity, zope.interface) and dbus-python wants a GLib loop.
 The cost of busctl is one short process per ``cap`` call, spawned with
 ``reactor.spawnProcess`` like every other host action, so the reactor never blocks.
 

@@ -1,11 +1,24 @@
 """The HTTP side of the front door: CONNECT, absolute-form ``http://`` forwarding, errors.
 
-h11 does the framing in both directions (request heads, bodies, keep-alive,
-and its refusals of ambiguous framing), so no byte of HTTP is parsed by hand
-here.  Forwarding removes the hop-by-hop and ``Proxy-*`` headers, makes
-``Host`` the URI's authority, adds nothing (never a credential: tokens are
-injected only on the TLS path of issue 4), and streams bodies both ways with
-back-pressure.  ``Upgrade`` is not forwarded on this path.
+Every byte of HTTP here is read with the house's one HTTP/1.1 grammar,
+``http11.py``, the same module the terminated TLS path uses: so this path
+refuses exactly what that one refuses (CL+TE, duplicate or list lengths, any
+coding but ``chunked``, obs-fold, bare LF, controls in values, whitespace
+before a colon, ...) with the same ``400 refused: <what>`` texts.
+
+A request head is parsed whole before anything else happens.  CONNECT (HTTP/1.1
+or 1.0, which Python 3.11's ``http.client`` sends; no body) opens a tunnel.
+An absolute-form ``http://`` request (HTTP/1.1 only, exactly one ``Host``) is
+forwarded: the head goes to the origin rebuilt from the parsed fields (the
+hop-by-hop table, every ``Proxy-*`` and what ``Connection`` names dropped,
+``Host`` made the URI's authority, ``Connection: close`` added, nothing else:
+never a credential; tokens are injected only on the TLS path of issue 4).
+A body is checked and passed as it is framed (counted by ``Content-Length``,
+or chunk by chunk and re-framed), starting before the origin is dialled, so a
+bad chunk in the first segment reaches no origin.  The response is read with
+the same grammar and streamed back the same way, with back-pressure both
+ways; towards the client the connection is kept alive.  ``Upgrade`` is not
+forwarded on this path.
 """
 
 from __future__ import annotations
@@ -15,7 +28,6 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import h11
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IHalfCloseableProtocol
@@ -23,50 +35,37 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.egress.http11 import (
+    Body,
+    Head,
+    LengthBody,
+    Refused,
+    UntilClose,
+    connectionTokens,
+    forwardedLines,
+    oneHost,
+    requestBody,
+    responseBody,
+    takeRequestHead,
+    takeResponseHead,
+)
 from agentsandbox.egress.proxy import Refusal, RefusalError, refusalOf
 
 if TYPE_CHECKING:
     from agentsandbox.egress.proxy import FrontDoor, Grant
 
-#: Largest request or response head accepted (h11 refuses longer ones).
-MAX_HEAD = 64 * 1024
-
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"upgrade",
-    }
-)
-#: Framing headers are never dropped because a ``Connection`` header lists
-#: them: the body must be framed the way it was sent.
-FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+#: A pipelining client may not run further ahead than this while we answer.
+MAX_READ_AHEAD = 256 * 1024
 
 _PORT = re.compile(r"^[1-9][0-9]{0,4}$")
 _NOT_IN_HOST = re.compile(r"[/@?#\\ \t]")
-
-#: The common case, a complete CONNECT head in one segment with plain header
-#: lines, is recognised by this strict pattern without building an h11
-#: connection (a third of a tunnel's setup cost).  Anything it does not match
-#: exactly (obs-fold, odd spacing, a body, a split head) goes to h11, which
-#: decides.  Header values are visible ASCII with inner spaces or tabs, as
-#: RFC 9110 field-content allows, minus obs-text.
-_FAST_CONNECT = re.compile(
-    rb"CONNECT ([!-~]{1,300}) HTTP/1\.[01]\r\n"
-    rb"((?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*(?:[!-~]+(?:[ \t]+[!-~]+)*)?[ \t]*\r\n){0,100})"
-    rb"\r\n"
-)
-_BODY_HEADERS = re.compile(rb"(?im)^(content-length|transfer-encoding)[ \t]*:")
+_HOST_ONLY = frozenset({b"host"})
 
 NOT_A_PROXY_REQUEST = (
     "this is the sandbox's egress proxy: it forwards http:// URLs (absolute-form requests) "
     "and tunnels everything else with CONNECT host:port"
 )
+ONLY_HTTP11 = Refused(505, "only HTTP/1.1 is forwarded through the sandbox's proxy")
 
 
 def errorReply(status: int, text: str) -> bytes:
@@ -100,61 +99,46 @@ def parseAuthority(target: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def forwardedHeaders(headers: Any, drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
-    listed: set[bytes] = set()
-    for name, value in headers:
-        if name == b"connection":
-            listed |= {t.strip().lower() for t in value.split(b",")}
-    listed -= FRAMING
-    return [
-        (name, value)
-        for name, value in headers
-        if name not in HOP_BY_HOP
-        and name not in listed
-        and name not in drop
-        and not name.startswith(b"proxy-")
-    ]
-
-
 class HTTPHandler:
-    """Reads request heads with h11 and serves CONNECT and absolute-form forwarding."""
+    """Reads request heads (``http11``) and serves CONNECT and absolute-form forwarding.
+
+    One exchange at a time: a pipelining client's next head waits in ``buf``
+    until the response to the current one is done.
+    """
 
     kind = "http"
 
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
-        self._conn: h11.Connection | None = None
+        self.buf = bytearray()
         self.exchange: ForwardExchange | None = None
-        self.waiting = False
+        self.waiting = False  # for a tunnel: bytes go to the door
         self.closed = False
-
-    @property
-    def conn(self) -> h11.Connection:
-        """The h11 connection, made on first use (a fast-path CONNECT never needs one)."""
-        if self._conn is None:
-            self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        return self._conn
+        self.clientDone = False  # the client half-closed
+        self.aheadPaused = False
 
     def dataReceived(self, data: bytes) -> None:
         if self.waiting:
             self.door.buffered(data)
             return
-        if self._conn is None:
-            m = _FAST_CONNECT.match(data)
-            if m is not None and not _BODY_HEADERS.search(m.group(2)):
-                self.door.cancelHeaderTimer()
-                self.connect(m.group(1).decode("ascii"), data[m.end() :])
+        exchange = self.exchange
+        if exchange is not None and not self.buf and exchange.passesThrough():
+            # The body of an upload, with nothing buffered: no copy.
+            data = exchange.bodyData(data)
+            if not data:
                 return
-        self.conn.receive_data(data)
+        self.buf += data
         self.process()
 
     def readConnectionLost(self) -> None:
         if self.waiting:
             return
-        self.conn.receive_data(b"")
+        self.clientDone = True
+        exchange = self.exchange
+        if exchange is not None and not exchange.requestDone:
+            exchange.abort("the client closed during its request")
+            return
         self.process()
-        if self.exchange is None and not self.closed:
-            self.door.transport.loseConnection()
 
     def connectionLost(self, reason: Failure) -> None:
         self.closed = True
@@ -162,26 +146,32 @@ class HTTPHandler:
             self.exchange.clientLost()
 
     def process(self) -> None:
+        buf = self.buf
         while not self.closed and not self.door.gone:
-            if self.exchange is not None:
-                self.exchange.pumpRequest()
+            exchange = self.exchange
+            if exchange is not None:
+                if not exchange.requestDone:
+                    if exchange.pumpRequest(buf) and self.exchange is exchange:
+                        continue
+                    return
+                if len(buf) > MAX_READ_AHEAD and not self.aheadPaused:
+                    self.aheadPaused = True
+                    self.door.transport.pauseProducing()
                 return
             try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as e:
-                self.fail(e.error_status_hint, f"not a valid HTTP request: {e}", parse=True)
+                head = takeRequestHead(buf)
+            except Refused as e:
+                self.fail(e.status, e.text, parse=True)
                 return
-            if event is h11.NEED_DATA or event is h11.PAUSED:
+            if head is None:
+                if self.clientDone:
+                    if buf:
+                        self.fail(400, "refused: the connection ended inside a request head", parse=True)
+                    else:
+                        self.closed = True
+                        self.door.transport.loseConnection()
                 return
-            if isinstance(event, h11.ConnectionClosed):
-                self.closed = True
-                self.door.transport.loseConnection()
-                return
-            if isinstance(event, h11.Request):
-                self.onRequest(event)
-                continue
-            self.fail(400, f"unexpected {type(event).__name__}", parse=True)
-            return
+            self.onRequest(head)
 
     def fail(self, status: int, text: str, parse: bool = False) -> None:
         self.closed = True
@@ -192,34 +182,32 @@ class HTTPHandler:
             self.door.transport.write(answer)
             self.door.transport.loseConnection()
 
-    def onRequest(self, request: h11.Request) -> None:
+    def onRequest(self, head: Head) -> None:
         self.door.cancelHeaderTimer()
+        method, rawTarget = head.start
+        target = rawTarget.decode("ascii")  # the grammar admits visible ASCII only
+        if method == b"CONNECT":
+            if head.chunked or head.length:
+                self.fail(400, "refused: a CONNECT request with a body", parse=True)
+                return
+            leftover = bytes(self.buf)
+            self.buf.clear()
+            self.connect(target, leftover)
+            return
+        if target[:7].lower() != "http://":
+            self.fail(400, NOT_A_PROXY_REQUEST, parse=True)
+            return
+        if head.minor != 1:
+            self.fail(ONLY_HTTP11.status, ONLY_HTTP11.text, parse=True)
+            return
         try:
-            target = request.target.decode("ascii")
-        except UnicodeDecodeError:
-            self.fail(400, "the request target is not ASCII", parse=True)
+            oneHost(head)
+        except Refused as e:
+            self.fail(e.status, e.text, parse=True)
             return
-        if request.method == b"CONNECT":
-            if parseAuthority(target) is None:
-                self.fail(400, f"CONNECT wants host:port, not {target!r}", parse=True)
-                return
-            try:
-                event = self.conn.next_event()
-                while event is not h11.PAUSED and not isinstance(event, h11.EndOfMessage):
-                    event = self.conn.next_event()
-                    if event is h11.NEED_DATA:
-                        raise h11.RemoteProtocolError("a CONNECT request with a body")
-            except h11.RemoteProtocolError as e:
-                self.fail(400, f"not a valid CONNECT request: {e}", parse=True)
-                return
-            leftover, _ = self.conn.trailing_data
-            self.connect(target, bytes(leftover))
-            return
-        if target[:7].lower() == "http://":
-            self.exchange = ForwardExchange(self, request, target)
-            self.exchange.start()
-            return
-        self.fail(400, NOT_A_PROXY_REQUEST, parse=True)
+        exchange = ForwardExchange(self, head, target)
+        self.exchange = exchange
+        exchange.start()
 
     def connect(self, target: str, leftover: bytes) -> None:
         """A complete CONNECT head for ``target``; ``leftover`` is what the client sent after it."""
@@ -242,56 +230,117 @@ class HTTPHandler:
         self.exchange = None
         if self.closed or self.door.gone:
             return
-        if reusable and self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
-            self.conn.start_next_cycle()
-            self.door.armHeaderTimer()
-            self.process()
-        else:
+        if not reusable:
             self.closed = True
             self.door.transport.loseConnection()
+            return
+        if self.aheadPaused:
+            self.aheadPaused = False
+            self.door.transport.resumeProducing()
+        self.door.armHeaderTimer()
+        self.process()
+
+
+_HEAD, _BODY, _DONE = range(3)
 
 
 class ForwardExchange:
     """One absolute-form request forwarded to its origin, its response streamed back."""
 
-    def __init__(self, handler: HTTPHandler, request: h11.Request, target: str) -> None:
+    def __init__(self, handler: HTTPHandler, head: Head, target: str) -> None:
         self.handler = handler
         self.door = handler.door
-        self.request = request
+        self.head = head
+        self.method = head.start[0]
         self.target = target
         self.upstream: ForwardUpstream | None = None
         self.grant: Grant | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+        self.requestBody = requestBody(head)
+        self.requestDone = self.requestBody is None
+        self.closeAfter = b"close" in connectionTokens(head.fields)
+        self.queued: list[bytes] = []  # for the origin, until it is connected
+        self.state = _HEAD  # of the response
+        self.responseBody: Body | None = None
+        self.rbuf = bytearray()
         self.responseStarted = False
         self.status: int | None = None
-        self.up = 0
-        self.down = 0
         self.done = False
-        self.requestDone = False
-        self.clientClosed = False
 
+    # ---------------------------------------------------------------- the request
     def start(self) -> None:
-        parts = urlsplit(self.target)
         try:
+            parts = urlsplit(self.target)
             host = parts.hostname
             port = parts.port or 80
         except ValueError:
             host = None
             port = 0
-        if not host or parts.scheme.lower() != "http":
+        if not host:  # (the scheme is http: onRequest checked)
+            self.done = True
             self.handler.exchange = None
             self.handler.fail(400, f"{self.target!r} is not an http:// URL with a host", parse=True)
             return
         self.host, self.port = host, port
-        netloc = parts.netloc.rpartition("@")[2]
-        self.authority = netloc.encode("ascii")
-        path = parts.path or "/"
-        self.path = (path + ("?" + parts.query if parts.query else "")).encode("ascii")
+        authority = parts.netloc.rpartition("@")[2].encode("ascii")
+        path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+        head = self.head
+        lines = [self.method, b" ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", authority, b"\r\n"]
+        lines.append(forwardedLines(head.fields, _HOST_ONLY))
+        if head.chunked:
+            lines.append(b"transfer-encoding: chunked\r\n")
+        lines.append(b"connection: close\r\n\r\n")
+        self.queued.append(b"".join(lines))
+        # Check what is here of the body before any dial: a bad chunk in the
+        # first segment reaches no origin.
+        if not self.requestDone:
+            self.pumpRequest(self.handler.buf)
+            if self.done:
+                return
         self.door.transport.pauseProducing()
         factory = self.door.factory
-        config = self.door.config
-        d = factory.decide(config, host, port)
+        d = factory.decide(self.door.config, host, port)
         d.addCallback(self._granted)
         d.addErrback(self._refused)
+
+    def passesThrough(self) -> bool:
+        """Whether the next client bytes are request body that needs no parsing."""
+        return not self.requestDone and isinstance(self.requestBody, LengthBody) and self.upstream is not None
+
+    def bodyData(self, data: bytes) -> bytes:
+        """Pass on the part of ``data`` that is request body; the rest."""
+        body = self.requestBody
+        assert isinstance(body, LengthBody)
+        part, rest = body.split(data)
+        self._sendUp(part)
+        if body.done:
+            self.requestDone = True
+        return rest
+
+    def pumpRequest(self, buf: bytearray) -> bool:
+        """Take what ``buf`` holds of the request body; whether the request is done."""
+        body = self.requestBody
+        if body is None or self.done:
+            return self.requestDone
+        out: list[bytes] = []
+        try:
+            body.feed(buf, out)
+        except Refused as e:
+            self.abort(e.text, parse=True, status=e.status)
+            return False
+        if body.done:
+            self.requestDone = True
+        if out:
+            self._sendUp(out[0] if len(out) == 1 else b"".join(out))
+        return self.requestDone
+
+    def _sendUp(self, data: bytes) -> None:
+        upstream = self.upstream
+        if upstream is None:
+            self.queued.append(data)
+        elif data:
+            upstream.transport.write(data)
 
     def _granted(self, grant: Grant) -> Deferred[Any]:
         self.grant = grant
@@ -299,6 +348,8 @@ class ForwardExchange:
         return factory.connect(self.door.config, grant, ForwardUpstream(self))
 
     def _refused(self, f: Failure) -> None:
+        if self.done:
+            return
         factory = self.door.factory
         if f.check(RefusalError):
             r: Refusal = refusalOf(f)
@@ -310,8 +361,8 @@ class ForwardExchange:
             event,
             kind="http",
             client=self.door.client,
-            host=getattr(self, "host", None),
-            port=getattr(self, "port", None),
+            host=self.host,
+            port=self.port,
             reason=r.reason,
             allow=r.allow,
             address=r.address,
@@ -327,92 +378,90 @@ class ForwardExchange:
             upstream.transport.abortConnection()
             return
         self.upstream = upstream
-        headers = forwardedHeaders(self.request.headers, drop=frozenset({b"host"}))
-        headers.insert(0, (b"host", self.authority))
-        headers.append((b"connection", b"close"))
-        upstream.transport.write(
-            upstream.conn.send(h11.Request(method=self.request.method, target=self.path, headers=headers))
-        )
+        queued, self.queued = self.queued, []
+        upstream.transport.write(b"".join(queued))
         client = self.door.transport
         client.registerProducer(upstream.transport, True)
         upstream.transport.registerProducer(client, True)
         client.resumeProducing()
-        self.pumpRequest()
+        self.handler.process()
 
-    def pumpRequest(self) -> None:
-        up = self.upstream
-        if up is None or self.done:
+    # ---------------------------------------------------------------- the response
+    def fromUpstream(self, data: bytes) -> None:
+        if self.done:
             return
-        conn = self.handler.conn
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as e:
-                self.abort(f"bad request body framing: {e}", parse=True)
-                return
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return
-            try:
-                if isinstance(event, h11.Data):
-                    self.up += len(event.data)
-                    up.transport.write(up.conn.send(event))
-                elif isinstance(event, h11.EndOfMessage):
-                    up.transport.write(up.conn.send(h11.EndOfMessage()))
-                    self.requestDone = True
-                elif isinstance(event, h11.ConnectionClosed):
-                    if not self.requestDone:
-                        self.abort("the client closed during its request")
-                        return
-                    # A client that half-closes after its request still gets the response.
-                    self.clientClosed = True
-                    return
-            except h11.LocalProtocolError as e:
-                self.abort(f"request body does not match its framing: {e}", parse=True)
-                return
+        body = self.responseBody
+        if self.state is _BODY and not self.rbuf and isinstance(body, (LengthBody, UntilClose)):
+            part, _ = body.split(data)  # (what follows was never asked for: the origin closes)
+            self.door.transport.write(part)
+            if body.done:
+                self._responseEnded()
+            return
+        buf = self.rbuf
+        buf += data
+        out: list[bytes] = []
+        ended = False
+        why = None
+        try:
+            while buf and not ended:
+                if self.state is _HEAD:
+                    head = takeResponseHead(buf)
+                    if head is None:
+                        break
+                    ended = self._responseHead(head, out)
+                elif self.state is _BODY:
+                    body = self.responseBody
+                    assert body is not None
+                    body.feed(buf, out)
+                    if not body.done:
+                        break
+                    ended = True
+                else:
+                    break
+        except Refused as e:
+            why = e.why
+        if out:
+            self.door.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if why is not None:
+            self.upstreamFailed(f"{self.host} sent an invalid response: {why}")
+        elif ended:
+            self._responseEnded()
 
-    def pumpResponse(self) -> None:
-        up = self.upstream
-        if up is None or self.done:
-            return
-        server = self.handler.conn
-        client = self.door.transport
-        while not self.done:
-            try:
-                event = up.conn.next_event()
-            except h11.RemoteProtocolError as e:
-                self.upstreamFailed(f"{self.host} sent an invalid response: {e}")
-                return
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return
-            try:
-                if isinstance(event, h11.InformationalResponse):
-                    if event.status_code == 100:
-                        client.write(server.send(h11.InformationalResponse(status_code=100, headers=[])))
-                elif isinstance(event, h11.Response):
-                    self.responseStarted = True
-                    self.status = event.status_code
-                    headers = forwardedHeaders(event.headers)
-                    client.write(
-                        server.send(
-                            h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
-                        )
-                    )
-                elif isinstance(event, h11.Data):
-                    self.down += len(event.data)
-                    client.write(server.send(event))
-                elif isinstance(event, h11.EndOfMessage):
-                    client.write(server.send(h11.EndOfMessage()))
-                    self.finish(reusable=not self.clientClosed)
-                    return
-                elif isinstance(event, h11.ConnectionClosed):
-                    self.upstreamFailed(f"{self.host} closed before the response ended")
-                    return
-            except h11.LocalProtocolError as e:
-                self.upstreamFailed(f"cannot relay {self.host}'s response: {e}")
-                return
+    def _responseHead(self, head: Head, out: list[bytes]) -> bool:
+        """Relay a response head into ``out``; whether the response ended with it."""
+        status, reason = head.start
+        if status[0] == 0x31:  # 1xx
+            if status == b"101":
+                raise Refused(502, "switched protocols without being asked to")
+            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
+            return False
+        body = responseBody(head, self.method)
+        extra = b""
+        if isinstance(body, UntilClose):
+            # Delimited by the origin closing: so is the client's copy.
+            self.closeAfter = True
+            extra = b"connection: close\r\n"
+        else:
+            if head.chunked and body is not None:
+                extra = b"transfer-encoding: chunked\r\n"
+            if self.closeAfter:
+                extra += b"connection: close\r\n"
+        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
+        self.responseStarted = True
+        self.status = int(status)
+        self.responseBody = body
+        self.state = _DONE if body is None else _BODY
+        return body is None
+
+    def _responseEnded(self) -> None:
+        self.state = _DONE
+        self.finish(reusable=self.requestDone and not self.closeAfter)
 
     def upstreamLost(self, reason: Failure) -> None:
         if self.done:
+            return
+        if self.state is _BODY and isinstance(self.responseBody, UntilClose) and reason.check(ConnectionDone):
+            self._responseEnded()
             return
         self.upstreamFailed(f"{self.host} closed the connection: {reason.getErrorMessage()}")
 
@@ -421,6 +470,8 @@ class ForwardExchange:
             return
         if not self.responseStarted and not self.door.gone:
             self._end(why)
+            if self.upstream is not None:
+                self.upstream.transport.abortConnection()
             self.handler.fail(502, why)
         else:
             self.abort(why)
@@ -429,17 +480,18 @@ class ForwardExchange:
         if not self.done:
             self.abort("the client went away")
 
-    def abort(self, why: str, parse: bool = False) -> None:
+    def abort(self, why: str, parse: bool = False, status: int = 400) -> None:
         if self.done:
             return
         self._end(why)
         if self.upstream is not None:
             self.upstream.transport.abortConnection()
-        if parse and not self.door.gone:
-            self.handler.closed = True
-            self.door.parseError("http", why, b"" if self.responseStarted else errorReply(400, why))
-        elif not self.door.gone:
-            self.handler.closed = True
+        if self.door.gone:
+            return
+        self.handler.closed = True
+        if parse:
+            self.door.parseError("http", why, b"" if self.responseStarted else errorReply(status, why))
+        else:
             self.door.transport.abortConnection()
 
     def finish(self, reusable: bool) -> None:
@@ -463,13 +515,13 @@ class ForwardExchange:
             "forward",
             kind="http",
             client=self.door.client,
-            host=getattr(self, "host", None),
-            port=getattr(self, "port", None),
+            host=self.host,
+            port=self.port,
             via=("parent" if grant is not None and grant.viaParent else "direct"),
             status=self.status,
             reason=why,
-            up=self.up,
-            down=self.down,
+            up=0 if self.requestBody is None else self.requestBody.payload,
+            down=0 if self.responseBody is None else self.responseBody.payload,
         )
         if self.handler.exchange is self and why is not None:
             self.handler.exchange = None
@@ -482,20 +534,15 @@ class ForwardUpstream(Protocol):
 
     def __init__(self, exchange: ForwardExchange) -> None:
         self.exchange = exchange
-        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
 
     def connectionMade(self) -> None:
         self.exchange.upstreamReady(self)
 
     def dataReceived(self, data: bytes) -> None:
-        self.conn.receive_data(data)
-        self.exchange.pumpResponse()
+        self.exchange.fromUpstream(data)
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:  # noqa: B008
-        if not self.exchange.done:
-            self.conn.receive_data(b"")
-            self.exchange.pumpResponse()
-            self.exchange.upstreamLost(reason)
+        self.exchange.upstreamLost(reason)
 
 
 @implementer(IHalfCloseableProtocol)
@@ -508,12 +555,11 @@ class ParentHandshake(Protocol):
         self.authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("ascii")
         self.inner = inner
         self.ready: Deferred[Any] = Deferred()
-        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self.buf = bytearray()
         self.switched = False
 
     def connectionMade(self) -> None:
-        request = h11.Request(method=b"CONNECT", target=self.authority, headers=[(b"host", self.authority)])
-        self.transport.write(self.conn.send(request) + self.conn.send(h11.EndOfMessage()))
+        self.transport.write(b"CONNECT %b HTTP/1.1\r\nhost: %b\r\n\r\n" % (self.authority, self.authority))
 
     def failed(self, f: Failure) -> None:
         if not self.ready.called:
@@ -524,25 +570,22 @@ class ParentHandshake(Protocol):
         if self.switched:
             self.inner.dataReceived(data)
             return
-        self.conn.receive_data(data)
+        self.buf += data
         try:
-            event = self.conn.next_event()
-        except h11.RemoteProtocolError as e:
-            self._refuse(f"answered CONNECT {self.authority.decode()} with an invalid response ({e})")
+            head = takeResponseHead(self.buf)
+        except Refused as e:
+            self._refuse(f"answered CONNECT {self.authority.decode()} with an invalid response ({e.why})")
             return
-        if event is h11.NEED_DATA:
+        if head is None:
             return
-        if not isinstance(event, h11.Response):
-            self._refuse(f"answered CONNECT {self.authority.decode()} with {type(event).__name__}")
-            return
-        if not 200 <= event.status_code < 300:
+        status, reason = head.start
+        if not status.startswith(b"2"):
             self._refuse(
-                f"answered {event.status_code} {event.reason.decode('latin-1')} "
-                f"to CONNECT {self.authority.decode()}"
+                f"answered {status.decode()} {reason.decode('latin-1')} to CONNECT {self.authority.decode()}"
             )
             return
         self.switched = True
-        leftover, _ = self.conn.trailing_data
+        leftover = self.buf
         self.dataReceived = self.inner.dataReceived  # type: ignore[method-assign]
         self.inner.makeConnection(self.transport)
         self.ready.callback(self.inner)

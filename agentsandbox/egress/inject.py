@@ -5,16 +5,16 @@ rule, hands the client's connection to ``Injector.terminate``.  From there:
 
 1. The client gets our TLS: the host's leaf from the in-memory CA, whatever
    SNI it sent, ALPN ``http/1.1`` only (``tls.py``).
-2. Each request head is checked strictly against RFC 9112's grammar in one
-   regular-expression pass, with the framing refusals h11 is lenient about: a
-   repeated or list-valued Content-Length, Content-Length with
-   Transfer-Encoding, any Transfer-Encoding but ``chunked``, bare LF line ends,
-   obsolete line folding, whitespace before a colon.  A refused head forwards
-   nothing; chunked bodies are checked chunk by chunk and nothing of a pass
-   over received bytes is forwarded unless all of it parsed.
+2. Each request head is checked with the house's one HTTP/1.1 grammar
+   (``http11.py``, which the plain ``http://`` path uses too): RFC 9112 in one
+   regular-expression pass, with the framing refusals h11 is lenient about.
+   A refused head forwards nothing; chunked bodies are checked chunk by chunk
+   and nothing of a pass over received bytes is forwarded unless all of it
+   parsed.
 3. Each request goes to the tunnel host whatever its ``Host`` header or
    absolute-form target says; every client ``Authorization`` (and the rule's
-   own header) is removed, hop-by-hop headers are dropped, the rule's header
+   own header) is removed, hop-by-hop headers (``http11.HOP_BY_HOP``, every
+   ``Proxy-*`` and those ``Connection`` names) are dropped, the rule's header
    is set from the keeper's current token.  TRACE and CONNECT get 405.
    ``Upgrade`` passes only for websocket.
 4. Upstream is a verified TLS connection (system roots, service-identity) to
@@ -36,7 +36,6 @@ Nothing here logs a header, a body or a token.
 
 from __future__ import annotations
 
-import re
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +58,19 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import InjectRule
+from agentsandbox.egress.http11 import (
+    HOP_BY_HOP,
+    ONE_HOST,
+    Body,
+    Refused,
+    UntilClose,
+    connectionTokens,
+    forwardedLines,
+    requestBody,
+    responseBody,
+    takeRequestHead,
+    takeResponseHead,
+)
 from agentsandbox.egress.interfaces import Dialer, ITerminator
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
@@ -68,229 +80,14 @@ log = Logger(namespace="agentsandbox.egress.inject")
 
 HTTPS_PORT = 443
 
-#: Request headers that never cross the proxy (RFC 9110 §7.6.1 plus the proxy's own).
-_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authorization",
-        b"proxy-authenticate",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"authorization",
-    }
-)
-_RESPONSE_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
+#: Request fields never forwarded from a terminated tunnel: the one hop-by-hop
+#: table, plus Host (set to the tunnel's host) and every client Authorization
+#: (the rule's header is set instead).
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"authorization"}
 _REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 
 #: A pipelining client may not run further ahead than this while we answer.
 MAX_READ_AHEAD = 256 * 1024
-MAX_HEAD = 64 * 1024
-#: A chunk-size line (size and extensions) longer than this is refused.
-MAX_CHUNK_LINE = 4096
-
-# RFC 9110/9112 grammar, checked over a whole head in one pass.  Field values
-# are visible ASCII, obs-text, space and tab: no CR, LF, NUL or other control,
-# so a bare LF, obsolete folding (a line starting with whitespace is not a
-# token) and "Name : value" all fail the match.
-_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
-_FIELDS = rb"(?:" + _TOKEN + rb":[\t \x21-\x7e\x80-\xff]*\r\n)*\r\n"
-_REQUEST_HEAD = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])\r\n" + _FIELDS)
-_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])")
-_RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: ([\t \x21-\x7e\x80-\xff]*))?\r\n" + _FIELDS)
-_FIELD_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
-_DIGITS = re.compile(rb"[0-9]{1,18}")
-# Whitespace may follow the size or the extensions, never come between them:
-# h11 refuses "5 ;ext" and this parser accepts nothing h11 refuses.
-_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t \x21-\x7e\x80-\xff]*|[\t ]*)")
-
-
-class Refused(Exception):
-    """A message the injector will not forward: the HTTP status to answer and why."""
-
-    def __init__(self, status: int, why: str) -> None:
-        super().__init__(why)
-        self.status = status
-        self.why = why
-
-
-@dataclass(frozen=True)
-class Head:
-    """A checked message head: start line, (lower-case name, value) fields, framing."""
-
-    start: tuple[bytes, bytes]  # (method, target) of a request; (status, reason) of a response
-    minor: int  # HTTP/1.<minor>
-    fields: list[tuple[bytes, bytes]]
-    length: int | None  # Content-Length, when given
-    chunked: bool
-
-
-def _fields(head: bytes) -> list[tuple[bytes, bytes]]:
-    out = []
-    for line in head.split(b"\r\n")[1:-2]:
-        name, _, value = line.partition(b":")
-        out.append((name.lower(), value.strip(b" \t")))
-    return out
-
-
-def _framing(fields: list[tuple[bytes, bytes]], refusal: int) -> tuple[int | None, bool]:
-    """(Content-Length, chunked) from the fields, refusing every ambiguous shape."""
-    lengths = [v for n, v in fields if n == b"content-length"]
-    codings = [v for n, v in fields if n == b"transfer-encoding"]
-    if not (lengths or codings):
-        return None, False
-    if lengths and codings:
-        raise Refused(refusal, "Content-Length together with Transfer-Encoding")
-    if len(lengths) > 1:
-        raise Refused(refusal, "more than one Content-Length")
-    if len(codings) > 1:
-        raise Refused(refusal, "more than one Transfer-Encoding")
-    if codings:
-        if codings[0] != b"chunked":
-            raise Refused(refusal, "a Transfer-Encoding other than exactly chunked")
-        return None, True
-    if _DIGITS.fullmatch(lengths[0]) is None:
-        raise Refused(refusal, "a malformed Content-Length")
-    return int(lengths[0]), False
-
-
-def parseRequestHead(head: bytes) -> Head:
-    """A request head (through its blank line), checked strictly, or ``Refused``."""
-    match = _REQUEST_HEAD.fullmatch(head)
-    if match is None:
-        raise Refused(400, _whyMalformed(head))
-    fields = _fields(head)
-    length, chunked = _framing(fields, 400)
-    return Head((match.group(1), match.group(2)), int(match.group(3)), fields, length, chunked)
-
-
-def parseResponseHead(head: bytes) -> Head:
-    """A response head (through its blank line), checked strictly, or ``Refused`` (502)."""
-    match = _RESPONSE_HEAD.fullmatch(head)
-    if match is None:
-        raise Refused(502, "answered with a malformed response head")
-    fields = _fields(head)
-    length, chunked = _framing(fields, 502)
-    return Head((match.group(2), match.group(3) or b""), int(match.group(1)), fields, length, chunked)
-
-
-def _whyMalformed(head: bytes) -> str:
-    if head.count(b"\n") != head.count(b"\r\n"):
-        return "a header line ends in a bare LF"
-    if b"\n " in head or b"\n\t" in head:
-        return "obsolete line folding in the header"
-    first, _, rest = head.partition(b"\r\n")
-    if _REQUEST_LINE.fullmatch(first) is None:
-        return "a malformed request line"
-    for line in rest[:-4].split(b"\r\n") if rest[:-4] else ():
-        if _FIELD_LINE.fullmatch(line) is None:
-            if line.partition(b":")[0][-1:] in (b" ", b"\t"):
-                return "whitespace before a header's colon"
-            return "a malformed header line"
-    return "a malformed request head"
-
-
-def headAnomaly(head: bytes) -> str | None:
-    """Why a request head is refused for its grammar or framing, or None."""
-    try:
-        parseRequestHead(head)
-    except Refused as e:
-        return e.why
-    return None
-
-
-class ChunkedBody:
-    """Checks a chunked body as it streams, and re-frames it.
-
-    Each run of chunk data goes out as a chunk of its own without extensions;
-    the last chunk goes out as ``0\\r\\n\\r\\n`` (trailers are checked and
-    dropped).  A malformed size line, a chunk not followed by CRLF, or a bad
-    trailer raises ``Refused``.  The work is per chunk, not per byte.
-    """
-
-    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
-
-    def __init__(self, refusal: int) -> None:
-        self._state = self._SIZE
-        self._left = 0
-        self._trailer = 0
-        self._refusal = refusal
-
-    @property
-    def done(self) -> bool:
-        return self._state == self._DONE
-
-    def feed(self, buf: bytearray, out: list[bytes]) -> None:
-        """Take what ``buf`` holds of the body (deleting it), appending re-framed bytes to ``out``."""
-        pos = 0
-        end = len(buf)
-        refusal = self._refusal
-        while pos < end:
-            state = self._state
-            if state == self._DATA:
-                take = min(self._left, end - pos)
-                out.append(b"%x\r\n%b\r\n" % (take, bytes(buf[pos : pos + take])))
-                pos += take
-                self._left -= take
-                if not self._left:
-                    self._state = self._DATA_END
-            elif state == self._DATA_END:
-                if end - pos < 2:
-                    if buf[pos:end] != b"\r":
-                        raise Refused(refusal, "a chunk not followed by CRLF")
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise Refused(refusal, "a chunk not followed by CRLF")
-                pos += 2
-                self._state = self._SIZE
-            elif state == self._SIZE or state == self._TRAILER:
-                nl = buf.find(b"\r\n", pos)
-                if nl < 0:
-                    tail = bytes(buf[pos:end])
-                    if b"\n" in tail:
-                        raise Refused(refusal, "a bare LF in the chunked body")
-                    limit = MAX_CHUNK_LINE if state == self._SIZE else MAX_HEAD - self._trailer
-                    if len(tail) > limit:
-                        raise Refused(refusal, "an overlong line in the chunked body")
-                    break
-                line = bytes(buf[pos:nl])
-                pos = nl + 2
-                if state == self._SIZE:
-                    match = _CHUNK_LINE.fullmatch(line)
-                    if match is None:
-                        raise Refused(refusal, "a malformed chunk size line")
-                    size = int(match.group(1), 16)
-                    if size:
-                        self._left = size
-                        self._state = self._DATA
-                    else:
-                        self._state = self._TRAILER
-                elif not line:
-                    out.append(b"0\r\n\r\n")
-                    self._state = self._DONE
-                    break
-                else:
-                    self._trailer += len(line) + 2
-                    if _FIELD_LINE.fullmatch(line) is None or self._trailer > MAX_HEAD:
-                        raise Refused(refusal, "a malformed trailer in the chunked body")
-            else:
-                break
-        del buf[:pos]
 
 
 class TokenHolder(TypingProtocol):
@@ -545,10 +342,6 @@ _BY_DIAL = 2  # no upstream yet
 _BY_AHEAD = 4  # a pipelining client ran ahead
 
 
-def _connectionTokens(fields: list[tuple[bytes, bytes]]) -> set[bytes]:
-    return {t.strip().lower() for n, v in fields if n == b"connection" for t in v.split(b",")}
-
-
 class _Tunnel(Protocol):
     """The client's side: decrypted HTTP/1.1 from one terminated tunnel.
 
@@ -570,8 +363,7 @@ class _Tunnel(Protocol):
         self._dialing = False
         self._method: bytes | None = None  # of a head not yet handed to an upstream
         self._forwarded = False  # some of the current request went upstream
-        self._bodyLeft = 0
-        self._chunked: ChunkedBody | None = None
+        self._body: Body | None = None  # the current request's, while it is read
         self._requestDone = True
         self._responseDone = True
         self._responseStarted = False
@@ -628,25 +420,17 @@ class _Tunnel(Protocol):
         try:
             while buf and not self._closed:
                 if not self._requestDone:
-                    chunked = self._chunked
-                    if chunked is not None:
-                        chunked.feed(buf, out)
-                        if not chunked.done:
-                            break  # what is left is part of a line: wait for the rest
-                        self._chunked = None
-                        self._requestDone = True
-                    else:
-                        take = min(self._bodyLeft, len(buf))
-                        out.append(bytes(buf[:take]))
-                        del buf[:take]
-                        self._bodyLeft -= take
-                        if not self._bodyLeft:
-                            self._requestDone = True
-                    if self._requestDone:
-                        self._forward(out)
-                        out = []
-                        if not self._maybeNextCycle():
-                            break
+                    body = self._body
+                    assert body is not None
+                    body.feed(buf, out)
+                    if not body.done:
+                        break  # all of it taken, or what is left is part of a chunk line
+                    self._body = None
+                    self._requestDone = True
+                    self._forward(out)
+                    out = []
+                    if not self._maybeNextCycle():
+                        break
                     continue
                 if not self._responseDone or self._upgrading:
                     if len(buf) > MAX_READ_AHEAD:
@@ -655,28 +439,16 @@ class _Tunnel(Protocol):
                 if not self._startRequest(buf, out):
                     break
         except Refused as e:
-            self._refuse(e.status, f"refused: {e.why}")
+            self._refuse(e.status, e.text)
             return
         if out and not self._closed:
             self._forward(out)
 
     def _startRequest(self, buf: bytearray, out: list[bytes]) -> bool:
         """Parse the next request head from ``buf`` into ``out``; False when it is not all here."""
-        if buf and buf[0] in b"\r\n":
-            # RFC 9112 §2.2 lets a server skip blank lines here, but h11 refuses
-            # them, and this parser accepts nothing h11 refuses.
-            raise Refused(400, "a blank line before the request line")
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEAD:
-                raise Refused(431, f"a request head over {MAX_HEAD} bytes")
-            if buf.count(b"\n") != buf.count(b"\r\n"):
-                raise Refused(400, "a header line ends in a bare LF")
+        head = takeRequestHead(buf)
+        if head is None:
             return False
-        if end + 4 > MAX_HEAD:
-            raise Refused(431, f"a request head over {MAX_HEAD} bytes")
-        head = parseRequestHead(bytes(buf[: end + 4]))
-        del buf[: end + 4]
         method, target = head.start
         if head.minor != 1:
             raise Refused(505, "only HTTP/1.1 is forwarded through the sandbox's proxy")
@@ -698,7 +470,7 @@ class _Tunnel(Protocol):
         connection = False
         upgrade = None
         for name, value in head.fields:
-            if name in _HOP_BY_HOP:
+            if name in _NOT_FORWARDED or (name[0] == 0x70 and name[:6] == b"proxy-"):
                 if name == b"host":
                     hosts += 1
                 elif name == b"connection":
@@ -709,21 +481,15 @@ class _Tunnel(Protocol):
             if name != own:
                 lines += (name, b": ", value, b"\r\n")
         if hosts != 1:
-            raise Refused(400, "a request needs exactly one Host header")
+            raise Refused(400, ONE_HOST)
         closeAfter = upgrading = False
         if connection:
-            named = _connectionTokens(head.fields)
+            named = connectionTokens(head.fields)
             closeAfter = b"close" in named
-            # Content-Length frames the body we forward: naming it in
-            # Connection must not strip it (h11 frames by it regardless).
-            dropped = named - {b"host", b"content-length"}
-            if dropped & {n for n, _ in head.fields}:
-                lines = lines[:5] + [
-                    part
-                    for n, v in head.fields
-                    if n not in _HOP_BY_HOP and n != own and n not in dropped
-                    for part in (n, b": ", v, b"\r\n")
-                ]
+            if named & {n for n, _ in head.fields}:
+                # (forwardedLines never drops the framing a Connection names)
+                drop = frozenset({b"host", b"authorization", own})
+                lines = [*lines[:5], forwardedLines(head.fields, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
                 upgrading = True
@@ -741,14 +507,8 @@ class _Tunnel(Protocol):
         self._upgrading = upgrading
         self._responseDone = False
         self._responseStarted = False
-        if head.chunked:
-            self._chunked = ChunkedBody(400)
-            self._requestDone = False
-        elif head.length:
-            self._bodyLeft = head.length
-            self._requestDone = False
-        else:
-            self._requestDone = True
+        self._body = requestBody(head)
+        self._requestDone = self._body is None
         upstream = self._upstream
         if upstream is not None and not upstream.reusable():
             self._dropUpstream()
@@ -919,8 +679,7 @@ class _Tunnel(Protocol):
         return True
 
 
-_IDLE, _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _SWITCHED = range(6)
-_NO_BODY_STATUSES = frozenset({b"204", b"304"})
+_IDLE, _HEAD, _BODY, _SWITCHED = range(4)
 
 
 @implementer(IHandshakeListener)
@@ -937,8 +696,7 @@ class _Upstream(Protocol):
         self._buf = bytearray()
         self._state = _IDLE
         self._method = b""
-        self._left = 0
-        self._chunked: ChunkedBody | None = None
+        self._body: Body | None = None  # the current response's, while it is read
         self._mustClose = False
         self._connected = False
         self._lost = False
@@ -1027,14 +785,15 @@ class _Upstream(Protocol):
         try:
             while buf:
                 state = self._state
-                if state is _LENGTH:
-                    take = min(self._left, len(buf))
-                    out.append(bytes(buf[:take]) if take < len(buf) else bytes(buf))
-                    del buf[:take]
-                    self._left -= take
-                    if not self._left:
-                        self._state = _IDLE
-                        ended = True
+                if state is _BODY:
+                    body = self._body
+                    assert body is not None
+                    body.feed(buf, out)
+                    if not body.done:
+                        break  # all of it taken, or what is left is part of a chunk line
+                    self._body = None
+                    self._state = _IDLE
+                    ended = True
                 elif state is _HEAD:
                     kind = self._responseHead(buf, out)
                     if kind is None:
@@ -1045,18 +804,6 @@ class _Upstream(Protocol):
                     if kind is not _HEAD:
                         started = True
                         ended = kind is _IDLE
-                elif state is _CHUNKED:
-                    chunked = self._chunked
-                    assert chunked is not None
-                    chunked.feed(buf, out)
-                    if not chunked.done:
-                        break
-                    self._chunked = None
-                    self._state = _IDLE
-                    ended = True
-                elif state is _UNTIL_CLOSE:
-                    out.append(bytes(buf))
-                    buf.clear()
                 else:
                     raise Refused(502, "answered more than it was asked")
         except Refused as e:
@@ -1072,52 +819,43 @@ class _Upstream(Protocol):
     def _responseHead(self, buf: bytearray, out: list[bytes]) -> int | None:
         """Parse a response head from ``buf`` into ``out`` (for the client); the state
         it leads to, or None when the head is not all here."""
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEAD:
-                raise Refused(502, f"answered with a head over {MAX_HEAD} bytes")
+        head = takeResponseHead(buf)
+        if head is None:
             return None
-        head = parseResponseHead(bytes(buf[: end + 4]))
-        del buf[: end + 4]
         status, reason = head.start
         tunnel = self._tunnel
         if status[0] == 0x31:  # 1xx
             if status == b"101":
                 if tunnel is None or not tunnel._upgrading:
                     raise Refused(502, "switched protocols without being asked to")
-                upgrade = [v for n, v in head.fields if n == b"upgrade"]
+                upgrade = head.values(b"upgrade")
                 if [v.lower() for v in upgrade] != [b"websocket"]:
                     raise Refused(502, "switched to something other than websocket")
                 out.append(
                     b"HTTP/1.1 101 %b\r\n%bconnection: upgrade\r\nupgrade: %b\r\n\r\n"
-                    % (reason, _responseFields(head), upgrade[0])
+                    % (reason, forwardedLines(head.fields), upgrade[0])
                 )
                 return _SWITCHED
-            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, _responseFields(head)))
+            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
             return _HEAD
         extra = b""
-        if head.minor == 0 or b"close" in _connectionTokens(head.fields):
+        if head.minor == 0 or b"close" in connectionTokens(head.fields):
             self._mustClose = True
-        if self._method == b"HEAD" or status in _NO_BODY_STATUSES:
-            state = _IDLE
-        elif head.chunked:
-            self._chunked = ChunkedBody(502)
-            state = _CHUNKED
+        body = responseBody(head, self._method)
+        untilClose = isinstance(body, UntilClose)
+        if head.chunked and body is not None:
             extra = b"transfer-encoding: chunked\r\n"
-        elif head.length is not None:
-            self._left = head.length
-            state = _LENGTH if head.length else _IDLE
-        else:
+        elif untilClose:
             # Delimited by the upstream closing: so is the client's copy.
             self._mustClose = True
-            state = _UNTIL_CLOSE
             extra = b"connection: close\r\n"
             if tunnel is not None:
                 tunnel._closeAfter = True
-        if tunnel is not None and tunnel._closeAfter and state is not _UNTIL_CLOSE:
+        if tunnel is not None and tunnel._closeAfter and not untilClose:
             extra += b"connection: close\r\n"
-        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, _responseFields(head), extra))
-        self._state = state
+        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
+        self._body = body
+        self._state = state = _IDLE if body is None else _BODY
         return state
 
     def _switch(self, out: list[bytes]) -> None:
@@ -1140,7 +878,7 @@ class _Upstream(Protocol):
             # Unregister from the client's transport first: a TLS transport
             # with a producer registered never finishes closing.
             self.unpair()
-            if self._state is _UNTIL_CLOSE and self._lostWhy is None and reason.check(ConnectionDone):
+            if isinstance(self._body, UntilClose) and self._lostWhy is None and reason.check(ConnectionDone):
                 # Only a close_notify ends a close-delimited body: a bare TCP
                 # close may be a cut, which the client must see as one.
                 self._state = _IDLE
@@ -1149,19 +887,6 @@ class _Upstream(Protocol):
         waiters, self._lostWaiters = self._lostWaiters, []
         for d in waiters:
             d.callback(None)
-
-
-def _responseFields(head: Head) -> bytes:
-    """A response's fields as the client gets them: hop-by-hop ones and those
-    its Connection header names dropped."""
-    fields = head.fields
-    drop: Any = _RESPONSE_HOP_BY_HOP
-    for name, _ in fields:
-        if name == b"connection":
-            # Never Content-Length: the client's copy is framed by it.
-            drop = _RESPONSE_HOP_BY_HOP | (_connectionTokens(fields) - {b"content-length"})
-            break
-    return b"".join([b"%b: %b\r\n" % (n, v) for n, v in fields if n not in drop])
 
 
 _REASONS = {

@@ -1,0 +1,423 @@
+"""The house's one HTTP/1.1 grammar, sans IO: heads, framing, bodies, hop-by-hop fields.
+
+Both proxy paths read HTTP/1.1 with this module and nothing else: the plain
+``http://`` forward path (``http.py``) and the terminated TLS path
+(``inject.py``).  So both refuse the same messages with the same texts, and
+``tests/test_http11_differential.py`` holds this grammar to h11, which the
+runtime no longer uses (h11 stays as the tests' oracle).
+
+What it owns:
+
+* ``Head``: a checked message head (start line, lower-case fields, framing).
+* ``parseRequestHead`` / ``parseResponseHead``: one regular-expression pass
+  over a whole head against RFC 9112's grammar, then the framing decision
+  (``framing``).  Refused, each with a text naming what: a bare LF line end,
+  obsolete line folding, whitespace before a colon, a control character
+  (NUL, CR, ...) in a value, a malformed request or status line, more than one
+  or a list-valued ``Content-Length``, a signed, hex or over-long one,
+  ``Content-Length`` together with ``Transfer-Encoding`` (RFC 9112 §6.1: an
+  intermediary must not forward both), more than one ``Transfer-Encoding`` or
+  any but exactly ``chunked``.
+* ``takeRequestHead`` / ``takeResponseHead``: where a head ends in a buffer,
+  the size limit (64 KiB; 431 for requests) and the refusals that need no
+  complete head (a blank line before the request line, a bare LF).
+* The body framers, each one message's framing state: ``LengthBody``,
+  ``ChunkedBody`` (checked chunk by chunk and re-framed without extensions or
+  trailers) and ``UntilClose``; ``requestBody`` and ``responseBody`` decide
+  which one a head calls for.  Their work is per read or per chunk, never per
+  byte.
+* ``HOP_BY_HOP`` and ``forwardedLines``: the one table of fields that never
+  cross a proxy, and the field lines a head passes on (also dropping every
+  ``Proxy-*`` field and those its ``Connection`` names, never the framing).
+
+Nothing here does IO, logs, or knows which path it serves.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: Largest message head accepted, either direction.
+MAX_HEAD = 64 * 1024
+#: A chunk-size line (size and extensions) longer than this is refused.
+MAX_CHUNK_LINE = 4096
+
+#: Fields that never cross a proxy, either direction (RFC 9110 §7.6.1's
+#: hop-by-hop fields plus the proxy's own); ``forwardedLines`` also drops every
+#: ``Proxy-*`` field.  ``Transfer-Encoding`` is here because both paths
+#: re-frame a chunked body and say ``chunked`` themselves.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+#: Never dropped because a ``Connection`` header names it: the body we pass
+#: on is framed by it (h11 frames by it regardless).
+FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+
+# RFC 9110/9112 grammar, checked over a whole head in one pass.  Field values
+# are visible ASCII, obs-text, space and tab: no CR, LF, NUL or other control,
+# so a bare LF, obsolete folding (a line starting with whitespace is not a
+# token) and "Name : value" all fail the match.
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+_FIELDS = rb"(?:" + _TOKEN + rb":[\t \x21-\x7e\x80-\xff]*\r\n)*\r\n"
+_REQUEST_HEAD = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])\r\n" + _FIELDS)
+_REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])")
+_RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: ([\t \x21-\x7e\x80-\xff]*))?\r\n" + _FIELDS)
+_FIELD_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+# Whitespace may follow the size or the extensions, never come between them:
+# h11 refuses "5 ;ext" and this parser accepts nothing h11 refuses.
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t \x21-\x7e\x80-\xff]*|[\t ]*)")
+
+
+class Refused(Exception):
+    """A message neither path forwards: the HTTP status to answer and what was refused."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
+
+    @property
+    def text(self) -> str:
+        """The error reply's text, the same on both paths."""
+        return f"refused: {self.why}"
+
+
+@dataclass(frozen=True)
+class Head:
+    """A checked message head: start line, (lower-case name, value) fields, framing."""
+
+    start: tuple[bytes, bytes]  # (method, target) of a request; (status, reason) of a response
+    minor: int  # HTTP/1.<minor>
+    fields: tuple[tuple[bytes, bytes], ...]
+    length: int | None  # Content-Length, when given
+    chunked: bool
+
+    def values(self, name: bytes) -> list[bytes]:
+        """The values of every field called ``name`` (lower case), in order."""
+        return [v for n, v in self.fields if n == name]
+
+
+def _fields(head: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    out = []
+    for line in head.split(b"\r\n")[1:-2]:
+        name, _, value = line.partition(b":")
+        out.append((name.lower(), value.strip(b" \t")))
+    return tuple(out)
+
+
+def framing(fields: tuple[tuple[bytes, bytes], ...], refusal: int) -> tuple[int | None, bool]:
+    """(Content-Length, chunked) from the fields, refusing every ambiguous shape."""
+    lengths = [v for n, v in fields if n == b"content-length"]
+    codings = [v for n, v in fields if n == b"transfer-encoding"]
+    if not (lengths or codings):
+        return None, False
+    if lengths and codings:
+        raise Refused(refusal, "Content-Length together with Transfer-Encoding")
+    if len(lengths) > 1:
+        raise Refused(refusal, "more than one Content-Length")
+    if len(codings) > 1:
+        raise Refused(refusal, "more than one Transfer-Encoding")
+    if codings:
+        if codings[0] != b"chunked":
+            raise Refused(refusal, "a Transfer-Encoding other than exactly chunked")
+        return None, True
+    if _DIGITS.fullmatch(lengths[0]) is None:
+        raise Refused(refusal, "a malformed Content-Length")
+    return int(lengths[0]), False
+
+
+def parseRequestHead(head: bytes) -> Head:
+    """A request head (through its blank line), checked strictly, or ``Refused`` (400)."""
+    match = _REQUEST_HEAD.fullmatch(head)
+    if match is None:
+        raise Refused(400, _whyMalformed(head))
+    fields = _fields(head)
+    length, chunked = framing(fields, 400)
+    return Head((match.group(1), match.group(2)), int(match.group(3)), fields, length, chunked)
+
+
+def parseResponseHead(head: bytes) -> Head:
+    """A response head (through its blank line), checked strictly, or ``Refused`` (502)."""
+    match = _RESPONSE_HEAD.fullmatch(head)
+    if match is None:
+        raise Refused(502, "answered with a malformed response head")
+    fields = _fields(head)
+    length, chunked = framing(fields, 502)
+    return Head((match.group(2), match.group(3) or b""), int(match.group(1)), fields, length, chunked)
+
+
+def _whyMalformed(head: bytes) -> str:
+    if head.count(b"\n") != head.count(b"\r\n"):
+        return "a header line ends in a bare LF"
+    if b"\n " in head or b"\n\t" in head:
+        return "obsolete line folding in the header"
+    first, _, rest = head.partition(b"\r\n")
+    if _REQUEST_LINE.fullmatch(first) is None:
+        return "a malformed request line"
+    for line in rest[:-4].split(b"\r\n") if rest[:-4] else ():
+        if _FIELD_LINE.fullmatch(line) is None:
+            if line.partition(b":")[0][-1:] in (b" ", b"\t"):
+                return "whitespace before a header's colon"
+            return "a malformed header line"
+    return "a malformed request head"
+
+
+def headAnomaly(head: bytes) -> str | None:
+    """Why a request head is refused for its grammar or framing, or None."""
+    try:
+        parseRequestHead(head)
+    except Refused as e:
+        return e.why
+    return None
+
+
+def takeRequestHead(buf: bytearray) -> Head | None:
+    """The request head at the start of ``buf`` (removed from it), None while
+    it is not all there, or ``Refused``."""
+    if buf and buf[0] in b"\r\n":
+        # RFC 9112 §2.2 lets a server skip blank lines here, but h11 refuses
+        # them, and this parser accepts nothing h11 refuses.
+        raise Refused(400, "a blank line before the request line")
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD:
+            raise Refused(431, f"a request head over {MAX_HEAD} bytes")
+        if buf.count(b"\n") != buf.count(b"\r\n"):
+            raise Refused(400, "a header line ends in a bare LF")
+        return None
+    if end + 4 > MAX_HEAD:
+        raise Refused(431, f"a request head over {MAX_HEAD} bytes")
+    head = parseRequestHead(bytes(buf[: end + 4]))
+    del buf[: end + 4]
+    return head
+
+
+def takeResponseHead(buf: bytearray) -> Head | None:
+    """The response head at the start of ``buf`` (removed from it), None while
+    it is not all there, or ``Refused`` (502)."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD:
+            raise Refused(502, f"answered with a head over {MAX_HEAD} bytes")
+        return None
+    head = parseResponseHead(bytes(buf[: end + 4]))
+    del buf[: end + 4]
+    return head
+
+
+#: RFC 9112 §3.2: a request with no Host, or more than one, is answered 400.
+ONE_HOST = "a request needs exactly one Host header"
+
+
+def oneHost(head: Head) -> bytes:
+    """A request's one ``Host`` value, or ``Refused``."""
+    hosts = head.values(b"host")
+    if len(hosts) != 1:
+        raise Refused(400, ONE_HOST)
+    return hosts[0]
+
+
+def connectionTokens(fields: tuple[tuple[bytes, bytes], ...]) -> set[bytes]:
+    """The lower-case options every ``Connection`` field lists."""
+    return {t.strip().lower() for n, v in fields if n == b"connection" for t in v.split(b",")}
+
+
+#: ``HOP_BY_HOP | drop`` per ``drop`` a caller passes (a few constants).
+_GONE: dict[frozenset[bytes], frozenset[bytes]] = {}
+
+
+def forwardedLines(fields: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()) -> bytes:
+    """The ``name: value`` lines (each with its CRLF) a proxy passes on: no
+    field of ``HOP_BY_HOP``, no ``Proxy-*``, none its ``Connection`` names
+    (except the framing), none in ``drop``."""
+    gone = _GONE.get(drop)
+    if gone is None:
+        gone = _GONE[drop] = HOP_BY_HOP | drop
+    for name, _ in fields:
+        if name == b"connection":
+            gone = gone | (connectionTokens(fields) - FRAMING)
+            break
+    # (n[0] first: an int, so no slice is made for names that cannot match)
+    return b"".join(
+        [b"%b: %b\r\n" % (n, v) for n, v in fields if n not in gone and not (n[0] == 0x70 and n[:6] == b"proxy-")]
+    )
+
+
+# ---------------------------------------------------------------------- bodies
+
+
+class LengthBody:
+    """A body of ``Content-Length`` bytes, passed through as it arrives."""
+
+    __slots__ = ("left", "length")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.left = length
+
+    @property
+    def done(self) -> bool:
+        return not self.left
+
+    @property
+    def payload(self) -> int:
+        """Body bytes passed so far."""
+        return self.length - self.left
+
+    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+        """Take what ``buf`` holds of the body (deleting it), appending it to ``out``."""
+        take = min(self.left, len(buf))
+        out.append(bytes(buf[:take]))
+        del buf[:take]
+        self.left -= take
+
+    def split(self, data: bytes) -> tuple[bytes, bytes]:
+        """(the part of ``data`` that is body, the rest), without copying a
+        read that is all body: the fast path of a protocol with nothing buffered."""
+        left = self.left
+        if len(data) <= left:
+            self.left = left - len(data)
+            return data, b""
+        self.left = 0
+        return data[:left], data[left:]
+
+
+class UntilClose:
+    """A response body delimited by the connection's close (RFC 9112 §6.3 rule 8)."""
+
+    __slots__ = ("payload",)
+    done = False
+
+    def __init__(self) -> None:
+        self.payload = 0
+
+    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+        self.payload += len(buf)
+        out.append(bytes(buf))
+        buf.clear()
+
+    def split(self, data: bytes) -> tuple[bytes, bytes]:
+        """(``data``, nothing): every byte until the close is body."""
+        self.payload += len(data)
+        return data, b""
+
+
+class ChunkedBody:
+    """Checks a chunked body as it streams, and re-frames it.
+
+    Each run of chunk data goes out as a chunk of its own without extensions;
+    the last chunk goes out as ``0\\r\\n\\r\\n`` (trailers are checked and
+    dropped).  A malformed size line, a chunk not followed by CRLF, or a bad
+    trailer raises ``Refused``.  The work is per chunk, not per byte.
+    """
+
+    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+
+    def __init__(self, refusal: int) -> None:
+        #: Chunk data bytes passed so far (the framing not counted).
+        self.payload = 0
+        self._state = self._SIZE
+        self._left = 0
+        self._trailer = 0
+        self._refusal = refusal
+
+    @property
+    def done(self) -> bool:
+        return self._state == self._DONE
+
+    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+        """Take what ``buf`` holds of the body (deleting it), appending re-framed bytes to ``out``."""
+        pos = 0
+        end = len(buf)
+        refusal = self._refusal
+        while pos < end:
+            state = self._state
+            if state == self._DATA:
+                take = min(self._left, end - pos)
+                out.append(b"%x\r\n%b\r\n" % (take, bytes(buf[pos : pos + take])))
+                pos += take
+                self.payload += take
+                self._left -= take
+                if not self._left:
+                    self._state = self._DATA_END
+            elif state == self._DATA_END:
+                if end - pos < 2:
+                    if buf[pos:end] != b"\r":
+                        raise Refused(refusal, "a chunk not followed by CRLF")
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise Refused(refusal, "a chunk not followed by CRLF")
+                pos += 2
+                self._state = self._SIZE
+            elif state == self._SIZE or state == self._TRAILER:
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    tail = bytes(buf[pos:end])
+                    if b"\n" in tail:
+                        raise Refused(refusal, "a bare LF in the chunked body")
+                    limit = MAX_CHUNK_LINE if state == self._SIZE else MAX_HEAD - self._trailer
+                    if len(tail) > limit:
+                        raise Refused(refusal, "an overlong line in the chunked body")
+                    break
+                line = bytes(buf[pos:nl])
+                pos = nl + 2
+                if state == self._SIZE:
+                    match = _CHUNK_LINE.fullmatch(line)
+                    if match is None:
+                        raise Refused(refusal, "a malformed chunk size line")
+                    size = int(match.group(1), 16)
+                    if size:
+                        self._left = size
+                        self._state = self._DATA
+                    else:
+                        self._state = self._TRAILER
+                elif not line:
+                    out.append(b"0\r\n\r\n")
+                    self._state = self._DONE
+                    break
+                else:
+                    self._trailer += len(line) + 2
+                    if _FIELD_LINE.fullmatch(line) is None or self._trailer > MAX_HEAD:
+                        raise Refused(refusal, "a malformed trailer in the chunked body")
+            else:
+                break
+        del buf[:pos]
+
+
+Body = LengthBody | ChunkedBody | UntilClose
+
+NO_BODY_STATUSES = frozenset({b"204", b"304"})
+
+
+def requestBody(head: Head) -> LengthBody | ChunkedBody | None:
+    """The framer for a request's body, None when it has none (RFC 9112 §6.3)."""
+    if head.chunked:
+        return ChunkedBody(400)
+    if head.length:
+        return LengthBody(head.length)
+    return None
+
+
+def responseBody(head: Head, method: bytes) -> Body | None:
+    """The framer for a final response's body to a ``method`` request, None
+    when it has none: HEAD, 204, 304 (RFC 9112 §6.3); else chunked, by
+    length, or until the connection closes."""
+    if method == b"HEAD" or head.start[0] in NO_BODY_STATUSES:
+        return None
+    if head.chunked:
+        return ChunkedBody(502)
+    if head.length is not None:
+        return LengthBody(head.length) if head.length else None
+    return UntilClose()

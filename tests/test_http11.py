@@ -1,0 +1,71 @@
+"""The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
+the hop-by-hop rule, the Host rule and the body framers' decisions."""
+
+from __future__ import annotations
+
+from twisted.trial import unittest
+
+from agentsandbox.egress.http11 import (
+    ChunkedBody,
+    LengthBody,
+    Refused,
+    UntilClose,
+    forwardedLines,
+    oneHost,
+    parseRequestHead,
+    parseResponseHead,
+    requestBody,
+    responseBody,
+)
+
+
+class HopByHop(unittest.TestCase):
+    def test_theTableProxyFieldsAndWhatConnectionNamesAreDroppedButNeverTheFraming(self) -> None:
+        head = parseRequestHead(
+            b"POST /x HTTP/1.1\r\nHost: a\r\nConnection: x-hop, content-length, close\r\nX-Hop: 1\r\n"
+            b"Keep-Alive: 5\r\nTE: trailers\r\nUpgrade: h2c\r\nProxy-Authorization: Basic eA==\r\n"
+            b"Proxy-Anything: y\r\nX-Kept: yes\r\nContent-Length: 3\r\n\r\n"
+        )
+        self.assertEqual(forwardedLines(head.fields, frozenset({b"host"})), b"x-kept: yes\r\ncontent-length: 3\r\n")
+
+    def test_exactlyOneHost(self) -> None:
+        self.assertEqual(oneHost(parseRequestHead(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")), b"a")
+        for raw in (b"GET / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n"):
+            with self.assertRaises(Refused) as caught:
+                oneHost(parseRequestHead(raw))
+            self.assertEqual(caught.exception.text, "refused: a request needs exactly one Host header")
+
+
+class Bodies(unittest.TestCase):
+    def test_whichFramerARequestGets(self) -> None:
+        self.assertIsNone(requestBody(parseRequestHead(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")))
+        self.assertIsNone(requestBody(parseRequestHead(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n")))
+        self.assertIsInstance(requestBody(parseRequestHead(b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\n")), LengthBody)
+        chunked = parseRequestHead(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.assertIsInstance(requestBody(chunked), ChunkedBody)
+
+    def test_whichFramerAResponseGets(self) -> None:
+        length = parseResponseHead(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        self.assertIsInstance(responseBody(length, b"GET"), LengthBody)
+        self.assertIsNone(responseBody(length, b"HEAD"))
+        for status in (b"204", b"304"):
+            self.assertIsNone(responseBody(parseResponseHead(b"HTTP/1.1 " + status + b" X\r\nContent-Length: 5\r\n\r\n"), b"GET"))
+        self.assertIsInstance(responseBody(parseResponseHead(b"HTTP/1.1 200 OK\r\n\r\n"), b"GET"), UntilClose)
+        chunked = parseResponseHead(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.assertIsInstance(responseBody(chunked, b"GET"), ChunkedBody)
+
+    def test_aLengthBodySplitsAReadWithoutCopyingWhatIsAllBody(self) -> None:
+        body = LengthBody(10)
+        data = b"0123456"
+        part, rest = body.split(data)
+        self.assertIs(part, data)
+        self.assertEqual((rest, body.left, body.payload), (b"", 3, 7))
+        self.assertEqual(body.split(b"789GET /"), (b"789", b"GET /"))
+        self.assertTrue(body.done)
+
+    def test_payloadCountsChunkDataNotFraming(self) -> None:
+        body = ChunkedBody(400)
+        out: list[bytes] = []
+        body.feed(bytearray(b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), out)
+        self.assertEqual((body.payload, body.done), (5, True))
+        self.assertEqual(b"".join(out), b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")

@@ -1,0 +1,519 @@
+"""The house's HTTP/1.1 grammar (``egress/http11.py``) and the forward path, differentially against h11.
+
+``tests/test_inject_differential.py`` holds the terminated path to h11; this
+module holds the other two readers of HTTP/1.1 to it, with the same generated
+streams (valid and near-valid), the same h11 readings and the same rule:
+never more permissive than h11, never a message framed differently.
+
+* ``http11`` directly: a request stream read with ``takeRequestHead``,
+  ``oneHost`` and ``requestBody``, a response stream with
+  ``takeResponseHead`` and ``responseBody``, with none of either path's own
+  policy (HTTP/1.0, TRACE, any target, any header pass here).  Whenever
+  ``http11`` reads a message, h11 read the same one: start line, every field
+  as h11 reports it, body bytes and the byte where it ends.
+* the plain ``http://`` forward path (``egress/http.py``) through the real
+  front door on in-memory transports, each forwarded request on an upstream
+  connection of its own.  What it sends the origin is read back with h11 (it
+  must be HTTP/1.1 h11 reads, one request per connection); every request it
+  forwarded is the one h11 read from the client: method, target (origin
+  form), fields (but for the hop-by-hop ones and Host, set on purpose), body,
+  and the byte where the next pipelined request starts.  Responses: what the
+  client receives is read back with h11, and agrees with h11's reading of the
+  origin's bytes (status, reason, fields, body, ended or not).
+
+What h11 accepts and ours refuses is counted by our reason and printed.
+Each property runs a fixed 2,000 derandomized examples (as many as the
+terminated path's), no example database.  The version notes of
+``tests/test_inject_differential.py`` hold here too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from agentsandbox.egress.http import HTTPHandler
+from agentsandbox.egress.http11 import (
+    ChunkedBody,
+    Head,
+    Refused,
+    UntilClose,
+    connectionTokens,
+    oneHost,
+    requestBody,
+    responseBody,
+    takeRequestHead,
+    takeResponseHead,
+)
+from agentsandbox.egress.proxy import EgressProxyFactory
+from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
+from tests.test_inject_differential import (
+    EXAMPLES,
+    HOST,
+    HOST_BYTES,
+    NEXT_PLEASE,
+    RESPONSE_EXEMPT,
+    Message,
+    _connectionNamed,
+    _headers,
+    _kept,
+    _report,
+    _watchdog,
+    h11Requests,
+    h11Response,
+    requestStream,
+    responseStream,
+)
+
+# ---------------------------------------------------------------------- http11 on its own
+
+
+@dataclass
+class Read:
+    head: Head
+    body: bytes = b""
+    end: int | None = None  # the stream offset just past the message, once it ended
+
+
+@dataclass
+class Reading:
+    messages: list[Read]
+    informational: list[Head] = field(default_factory=list)
+    refused: str | None = None
+
+
+def _payload(out: list[bytes], chunked: bool) -> bytes:
+    """The body bytes of what a framer put out (a ChunkedBody re-frames: undo it)."""
+    if not chunked:
+        return b"".join(out)
+    data = b""
+    for piece in out:
+        if piece == b"0\r\n\r\n":
+            continue
+        size, _, rest = piece.partition(b"\r\n")
+        assert rest.endswith(b"\r\n") and len(rest) - 2 == int(size, 16), piece
+        data += rest[:-2]
+    return data
+
+
+def http11Requests(pieces: list[bytes]) -> Reading:
+    """``pieces`` read as a server reads requests, with http11 only.  Like h11,
+    it reads no further than a message after which the connection must close
+    (``Connection: close``, HTTP/1.0)."""
+    reading = Reading([])
+    buf = bytearray()
+    fed = 0
+    current: Read | None = None
+    body: Any = None
+    try:
+        for piece in pieces:
+            buf += piece
+            fed += len(piece)
+            while True:
+                if current is None:
+                    last = reading.messages[-1].head if reading.messages else None
+                    if last is not None and (last.minor == 0 or b"close" in connectionTokens(last.fields)):
+                        break
+                    head = takeRequestHead(buf)
+                    if head is None:
+                        break
+                    oneHost(head)
+                    current = Read(head)
+                    reading.messages.append(current)
+                    body = requestBody(head)
+                else:
+                    out: list[bytes] = []
+                    body.feed(buf, out)
+                    current.body += _payload(out, isinstance(body, ChunkedBody))
+                    if not body.done:
+                        break
+                    body = None
+                if body is None:
+                    current.end = fed - len(buf)
+                    current = None
+    except Refused as e:
+        reading.refused = f"{e.status} {e.why}"
+    return reading
+
+
+def http11Response(method: bytes, pieces: list[bytes], eof: bool) -> Reading:
+    """``pieces`` (then EOF when ``eof``) read as the client of a ``method``
+    request reads its response, with http11 only."""
+    reading = Reading([])
+    buf = bytearray()
+    fed = 0
+    body: Any = None
+    current: Read | None = None
+    try:
+        for piece in pieces:
+            buf += piece
+            fed += len(piece)
+            while buf and (current is None or current.end is None):
+                if current is None:
+                    head = takeResponseHead(buf)
+                    if head is None:
+                        break
+                    if head.start[0][:1] == b"1":
+                        if head.start[0] == b"101":
+                            # Neither path asks to switch here: both refuse a 101.
+                            raise Refused(502, "switched protocols without being asked to")
+                        reading.informational.append(head)
+                        continue
+                    current = Read(head)
+                    reading.messages.append(current)
+                    body = responseBody(head, method)
+                else:
+                    out: list[bytes] = []
+                    body.feed(buf, out)
+                    current.body += _payload(out, isinstance(body, ChunkedBody))
+                    if not body.done:
+                        break
+                    body = None
+                if body is None:
+                    current.end = fed - len(buf)
+    except Refused as e:
+        reading.refused = f"{e.status} {e.why}"
+        return reading
+    if eof and current is not None and current.end is None and isinstance(body, UntilClose):
+        current.end = fed
+    return reading
+
+
+def checkGrammarRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]) -> None:
+    want = h11Requests(stream)
+    ours = http11Requests(pieces)
+    for k, got in enumerate(ours.messages):
+        assert k < len(want.messages), f"http11 read request {k + 1}, which h11 refuses: {want.error}"
+        expected = want.messages[k]
+        assert got.head.start == (bytes(expected.head.method), bytes(expected.head.target))
+        assert list(got.head.fields) == _headers(expected.head)
+        assert expected.body.startswith(got.body), "http11 read body bytes h11 does not"
+        if got.end is not None:
+            assert expected.end is not None, "http11 ended a request where h11 reads on"
+            assert got.body == expected.body
+            assert got.end == expected.end, "the next request starts at another byte"
+    finished = [m for m in ours.messages if m.end is not None]
+    for k, expected in enumerate(want.messages):
+        if expected.end is None:
+            continue
+        if k < len(finished):
+            tally["both accept"] += 1
+        elif ours.refused is not None:
+            tally["h11 accepts, http11 refuses: " + ours.refused] += 1
+        else:
+            raise AssertionError(f"h11 read request {k + 1} to its end; http11 neither read nor refused it")
+
+
+def checkGrammarResponse(method: bytes, stream: bytes, eof: bool, pieces: list[bytes], tally: Counter[str]) -> None:
+    want = h11Response(method, stream, eof)
+    ours = http11Response(method, pieces, eof)
+    wanted = want.messages[0] if want.messages else Message(None)
+    statuses = [int(h.start[0]) for h in ours.informational]
+    assert statuses == [e.status_code for e in wanted.informational[: len(statuses)]], (
+        "http11 read an informational response h11 refuses"
+    )
+    if not ours.messages:
+        if wanted.head is not None:
+            tally[f"h11 accepts, http11 refuses: {ours.refused or 'waits'}"] += 1
+        else:
+            tally["both refuse or wait"] += 1
+        return
+    got = ours.messages[0]
+    assert wanted.head is not None, f"http11 read a response head h11 refuses: {want.error}"
+    assert int(got.head.start[0]) == wanted.head.status_code
+    assert got.head.start[1] == bytes(wanted.head.reason)
+    assert list(got.head.fields) == _headers(wanted.head)
+    assert wanted.body.startswith(got.body), "http11 read body bytes h11 does not"
+    if got.end is not None:
+        assert wanted.end is not None, "http11 ended a response where h11 reads on"
+        assert (got.body, got.end) == (wanted.body, wanted.end), "the response ends at another byte"
+        tally["both accept"] += 1
+    elif wanted.end is not None:
+        assert ours.refused is not None, "h11 read the response to its end; http11 neither ended nor refused it"
+        tally["h11 accepts, http11 refuses: " + ours.refused] += 1
+    else:
+        tally["both refuse or wait (mid-body)"] += 1
+
+
+# ---------------------------------------------------------------------- the forward path, in memory
+
+FORWARD_CONFIG = makeConfig(domainsToml([HOST]))
+FORWARD_RESOLVER = FixedResolver({HOST: ["192.0.2.80"]})
+#: Absolute-form targets, (usual, odd).
+FORWARD_TARGETS = (
+    [
+        b"http://api.example.com/",
+        b"http://api.example.com/a/b?c=d",
+        b"http://API.example.com:80/%7e",
+        b"http://api.example.com",
+    ],
+    [
+        b"/",
+        b"*",
+        b"https://api.example.com/",
+        b"http://api.example.com:8080/",
+        b"http://u@api.example.com/x",
+        b"http://api.example.com/a#f",
+        b"http://api.example.com?q",
+        b"http://[::1/",
+        b"http:///x",
+        b"HTTP://api.example.com/",
+        b"",
+    ],
+)
+#: Request fields the forward path removes or sets on purpose.
+FORWARD_EXEMPT = RESPONSE_EXEMPT | {b"host", b"proxy-authorization"}
+
+
+@implementer(IStreamClientEndpoint)
+class _MemoryEndpoint:
+    def __init__(self, upstreams: list[IProtocol]) -> None:
+        self.upstreams = upstreams
+
+    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
+        protocol = factory.buildProtocol(IPv4Address("TCP", "192.0.2.80", 80))
+        assert protocol is not None
+        protocol.makeConnection(StringTransport())
+        self.upstreams.append(protocol)
+        return succeed(protocol)
+
+
+class _HalfCloseTransport(StringTransport):
+    def loseWriteConnection(self) -> None:
+        self.disconnecting = True
+
+
+def _door() -> tuple[Any, StringTransport, list[Any]]:
+    upstreams: list[Any] = []
+    factory = EgressProxyFactory(
+        FORWARD_CONFIG,
+        Clock(),
+        resolver=FORWARD_RESOLVER,
+        dialer=lambda ip, port: _MemoryEndpoint(upstreams),
+        peers=AllowAllPeers(),
+    )
+    door = factory.buildProtocol(None)
+    client = _HalfCloseTransport()
+    door.makeConnection(client)
+    return door, client, upstreams
+
+
+@dataclass
+class Forwarded:
+    upstreams: list[bytes]  # what each upstream connection received
+    ends: list[int]  # per request fully forwarded: the client stream offset just past it
+    refused: str | None  # the error the client got, when it got one
+
+
+def oursForwardRequests(pieces: list[bytes]) -> Forwarded:
+    """Feed the client's bytes to a front door, answering each forwarded
+    request with ``NEXT_PLEASE`` so it reads the next."""
+    door, client, upstreams = _door()
+    total = 0
+    for piece in pieces:
+        if client.disconnecting:
+            break
+        total += len(piece)
+        door.dataReceived(piece)
+    ends: list[int] = []
+    handler = door.handler
+    while not client.disconnecting and isinstance(handler, HTTPHandler):
+        exchange = handler.exchange
+        if exchange is None or not exchange.requestDone or exchange.upstream is None:
+            break
+        ends.append(total - len(handler.buf))
+        exchange.upstream.dataReceived(NEXT_PLEASE)
+    out = client.value()
+    refused = None
+    if out.startswith((b"HTTP/1.1 4", b"HTTP/1.1 5")) or b"\r\n\r\nHTTP/1.1 4" in out or b"\r\n\r\nHTTP/1.1 5" in out:
+        last = out[out.rfind(b"HTTP/1.1 ") :]
+        refused = last[9:12].decode() + " " + last.partition(b"\r\n\r\n")[2].decode("utf-8", "replace").strip()
+    return Forwarded([u.transport.value() for u in upstreams], ends, refused)
+
+
+def originForm(target: bytes) -> bytes:
+    """The target the origin should get for an absolute-form ``target`` (no fragment)."""
+    rest = target[len(b"http://") :]
+    cut = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+    path = rest[cut:].partition(b"#")[0]
+    return path if path.startswith(b"/") else b"/" + path
+
+
+def checkForwardRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]) -> None:
+    want = h11Requests(stream)
+    ours = oursForwardRequests(pieces)
+    assert len(ours.ends) <= len(ours.upstreams)
+    for k, sentBytes in enumerate(ours.upstreams):
+        sent = h11Requests(sentBytes)
+        assert sent.error is None, f"h11 cannot read what the proxy sent the origin: {sent.error}\n{sentBytes!r}"
+        assert len(sent.messages) <= 1, "one request per origin connection"
+        if not sent.messages:
+            continue  # dialled, nothing sent yet (the head waits for the body's first bytes)
+        got = sent.messages[0]
+        assert k < len(want.messages), f"the proxy forwarded request {k + 1}, which h11 refuses: {want.error}"
+        expected = want.messages[k]
+        assert got.head.method == expected.head.method
+        target = bytes(expected.head.target)
+        assert bytes(got.head.target) == originForm(target)
+        headers = _headers(expected.head)
+        named = _connectionNamed(headers)
+        forwarded = _headers(got.head)
+        assert _kept(forwarded, FORWARD_EXEMPT, named) == _kept(headers, FORWARD_EXEMPT, named)
+        authority = target[len(b"http://") :].split(b"/")[0].split(b"?")[0].rpartition(b"@")[2]
+        assert [v for n, v in forwarded if n == b"host"] == [authority]
+        assert [v for n, v in forwarded if n == b"connection"] == [b"close"]
+        assert not [n for n, _ in forwarded if n.startswith(b"proxy-")]
+        assert expected.body.startswith(got.body), "the proxy forwarded body bytes h11 does not read"
+        if got.end is not None:
+            assert expected.end is not None, "the proxy ended a request where h11 reads on"
+            assert got.body == expected.body
+            if k < len(ours.ends):
+                assert ours.ends[k] == expected.end, "the next request starts at another byte"
+    finished = [m for m in (h11Requests(b).messages for b in ours.upstreams) if m and m[0].end is not None]
+    for k, expected in enumerate(want.messages):
+        if expected.end is None:
+            continue
+        if k < len(finished):
+            tally["both accept"] += 1
+        elif ours.refused is not None:
+            tally["h11 accepts, ours refuses: " + ours.refused[:90]] += 1
+        else:
+            raise AssertionError(f"h11 read request {k + 1} to its end; the proxy neither forwarded nor refused it")
+
+
+@dataclass
+class ForwardedResponse:
+    toClient: bytes
+    clientClosed: bool
+    clientCut: bool
+    started: bool
+
+
+def oursForwardResponse(method: bytes, pieces: list[bytes], eof: bool) -> ForwardedResponse:
+    door, client, upstreams = _door()
+    length = b"content-length: 0\r\n" if method == b"POST" else b""
+    door.dataReceived(method + b" http://" + HOST_BYTES + b"/r HTTP/1.1\r\nhost: " + HOST_BYTES + b"\r\n" + length + b"\r\n")
+    assert len(upstreams) == 1, client.value()
+    upstream = upstreams[0]
+    exchange = door.handler.exchange
+    for piece in pieces:
+        if upstream.transport.disconnecting:
+            break
+        upstream.dataReceived(piece)
+    if upstream.transport.disconnected:
+        upstream.connectionLost(Failure(ConnectionLost("aborted")))
+    elif eof or upstream.transport.disconnecting:
+        upstream.connectionLost(Failure(ConnectionDone()))
+    return ForwardedResponse(
+        client.value(), client.disconnecting and not client.disconnected, client.disconnected, exchange.responseStarted
+    )
+
+
+def checkForwardResponse(method: bytes, stream: bytes, eof: bool, pieces: list[bytes], tally: Counter[str]) -> None:
+    want = h11Response(method, stream, eof)
+    ours = oursForwardResponse(method, pieces, eof)
+    got = h11Response(method, ours.toClient, ours.clientClosed)
+    assert got.error is None, f"h11 cannot read what the proxy sent the client: {got.error}\n{ours.toClient!r}"
+    wanted = want.messages[0] if want.messages else Message(None)
+    received = got.messages[0] if got.messages else Message(None)
+    forwarded = [e.status_code for e in received.informational]
+    assert forwarded == [e.status_code for e in wanted.informational[: len(forwarded)]], (
+        "the proxy forwarded an informational response h11 refuses"
+    )
+    if not ours.started:
+        if received.head is not None:
+            assert received.head.status_code == 502, received.head
+            why = "502 " + ours.toClient.rsplit(b"\r\n", 1)[-1].decode().strip().partition(f"{HOST}")[2][:60]
+        else:
+            why = "cut" if ours.clientCut else "still waits for the end of the head"
+        tally[("h11 accepts, ours refuses: " + why) if wanted.head is not None else "both refuse or wait"] += 1
+        return
+    assert wanted.head is not None, f"the proxy forwarded a response head h11 refuses: {want.error}"
+    assert received.head is not None
+    assert received.head.status_code == wanted.head.status_code
+    assert received.head.reason == wanted.head.reason
+    headers = _headers(wanted.head)
+    named = _connectionNamed(headers)
+    assert _kept(_headers(received.head), RESPONSE_EXEMPT, named) == _kept(headers, RESPONSE_EXEMPT, named)
+    assert wanted.body.startswith(received.body), "the proxy forwarded body bytes h11 does not read"
+    if received.end is not None and not ours.clientCut:
+        assert wanted.end is not None, "the proxy ended a response where h11 reads on"
+        assert received.body == wanted.body
+        tally["both accept"] += 1
+    elif wanted.end is not None:
+        assert ours.clientCut, "h11 read the response to its end; the proxy neither ended nor cut it"
+        tally["h11 accepts, ours cuts the client"] += 1
+    else:
+        tally["both refuse or wait (mid-body)"] += 1
+
+
+# ---------------------------------------------------------------------- the properties
+
+
+def test_requestsHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
+    tally: Counter[str] = Counter()
+
+    @EXAMPLES
+    @given(st.one_of(requestStream(), requestStream(FORWARD_TARGETS)))
+    def check(case: tuple[bytes, list[bytes]]) -> None:
+        with _watchdog(10):
+            checkGrammarRequests(*case, tally)
+
+    check()
+    _report(capsys, "requests (messages h11 reads to their end, by what http11 did):", tally)
+    assert tally["both accept"] > 500, "the generator should make mostly acceptable requests"
+
+
+def test_responsesHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
+    tally: Counter[str] = Counter()
+
+    @EXAMPLES
+    @given(responseStream())
+    def check(case: tuple[bytes, bytes, bool, list[bytes]]) -> None:
+        with _watchdog(10):
+            checkGrammarResponse(*case, tally)
+
+    check()
+    _report(capsys, "responses (by what h11 and http11 did):", tally)
+    assert tally["both accept"] > 300, "the generator should make mostly acceptable responses"
+
+
+def test_requestsTheForwardPathForwardsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
+    tally: Counter[str] = Counter()
+
+    @EXAMPLES
+    @given(requestStream(FORWARD_TARGETS))
+    def check(case: tuple[bytes, list[bytes]]) -> None:
+        with _watchdog(10):
+            checkForwardRequests(*case, tally)
+
+    check()
+    _report(capsys, "forwarded requests (messages h11 reads to their end, by what the proxy did):", tally)
+    assert tally["both accept"] > 400, "the generator should make mostly acceptable requests"
+
+
+def test_responsesTheForwardPathRelaysAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
+    tally: Counter[str] = Counter()
+
+    @EXAMPLES
+    @given(responseStream())
+    def check(case: tuple[bytes, bytes, bool, list[bytes]]) -> None:
+        with _watchdog(10):
+            checkForwardResponse(*case, tally)
+
+    check()
+    _report(capsys, "forwarded responses (by what h11 and the proxy did):", tally)
+    assert tally["both accept"] > 300, "the generator should make mostly acceptable responses"
