@@ -267,6 +267,29 @@ class DialedSpellingTests(TestCase):
         self.assertEqual(self.dialled(), [("localhost", "127.0.0.1")] * len(granted))
 
     @deferredTest
+    async def test_forwardSpellings(self) -> None:
+        """The absolute-form URL's authority is read as CONNECT's is (port 80 when absent)."""
+        root = Resource()
+        root.putChild(b"x", Data(b"origin\n", "text/plain"))
+        web = await listen(Site(root))
+        self.addCleanup(web.stopListening)
+        p = int(web.getHost().port)
+        self.proxy = ProxyHarness([f"localhost:{p}", "localhost:80"], SystemResolver(reactor), tcpDialer(reactor))  # type: ignore[arg-type]
+        await self.proxy.start()
+        self.addCleanup(self.proxy.stop)
+        for authority in (f"localhost:{p}", f"LOCALHOST.:{p}", f"u@localhost:{p}"):
+            host = authority.rpartition("@")[2]
+            head = f"GET http://{authority}/x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+            out = await exchange(self.proxy.port, head, halfClose=False)
+            self.assertTrue(out.startswith(b"HTTP/1.1 200 ") and out.endswith(b"origin\n"), (authority, out))
+        # ':0' was read by urlsplit as no port (so 80, which is allowed here), ':0080' as 80.
+        for authority in ("localhost:0", "localhost:0080", f"localhost:0{p}", "localhost:+80", "::1:80", "localhost%00:80"):
+            head = f"GET http://{authority}/x HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
+            out = await exchange(self.proxy.port, head, halfClose=False)
+            self.assertRegex(out, rb"^HTTP/1\.1 (400|403) ", authority)
+        self.assertTrue(all(a == "127.0.0.1" for _, a in self.dialled()))
+
+    @deferredTest
     async def test_curlSpellingsThroughSocksAndConnect(self) -> None:
         """curl's own readings of the URL's host, through both front doors."""
         if not os.path.exists(CURL):
@@ -282,13 +305,14 @@ class DialedSpellingTests(TestCase):
         proxies = [
             ["--socks5-hostname", f"127.0.0.1:{self.proxy.port}"],
             ["--proxytunnel", "--proxy", f"http://127.0.0.1:{self.proxy.port}"],
+            ["--proxy", f"http://127.0.0.1:{self.proxy.port}"],  # the forward path
         ]
         for via in proxies:
             for host in ("localhost", "LOCALHOST", "localhost."):
                 out, err, code = await curl(*via, f"http://{host}:{port}/x")
                 self.assertEqual((code, out), (0, b"origin\n"), (via, host, err))
             for host in ("127.0.0.1", "[::1]", "2130706433", "localhost..", "[fe80::1%25lo]"):
-                out, err, code = await curl(*via, f"http://{host}:{port}/x")
+                out, err, code = await curl("--fail", *via, f"http://{host}:{port}/x")
                 self.assertNotEqual(code, 0, (via, host))
                 self.assertNotIn(b"origin", out)
         self.assertTrue(all(a == "127.0.0.1" for _, a in self.dialled()))
