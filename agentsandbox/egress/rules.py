@@ -92,10 +92,9 @@ def isLoopbackName(host: str) -> bool:
 
 def _parsePort(text: str, entry: str) -> int:
     if not _PORT.fullmatch(text) or int(text) > 65535:
-        raise EntryError(
-            f"{entry!r}: port {text!r} is not a number from 1 to 65535 in plain digits "
-            "(no sign, no leading zero)"
-        )
+        # Plain digits only (no sign, no leading zero, no fullwidth digits); the
+        # text is the one the Nix module's assertion repeats.
+        raise EntryError(f"{entry!r}: port {text!r} is not a number from 1 to 65535")
     return int(text)
 
 
