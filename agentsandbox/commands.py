@@ -116,29 +116,27 @@ def _checkPath(policy: Policy, kind: str, path: str, cwd: str) -> int:
     return 1
 
 
-def splitTarget(target: str) -> tuple[str, int]:
-    """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 literal; port defaults to 443."""
-    if target.startswith("["):
-        host, _, rest = target[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else 443
-    if target.count(":") == 1:
-        host, _, port = target.partition(":")
-        return host, int(port)
-    return target, 443
-
-
 def _checkHost(config: Config, target: str, resolve: bool) -> int:
-    try:
-        host, port = splitTarget(target)
-    except ValueError:
-        print(f"refused: {target!r} is not HOST[:PORT]")
+    # The proxy's own readings: the authority parser of CONNECT (a bare host or
+    # IPv6 literal takes port 443) and the one name decision every front door
+    # makes, so ``check`` cannot allow a spelling the proxy refuses or the reverse.
+    from agentsandbox.egress.rules import decideHost, parseAuthority
+
+    authority = parseAuthority(target, 443)
+    if authority is None:
+        print(
+            f"refused: {target!r} is not HOST[:PORT] (the port is 1 to 65535 in plain digits; "
+            "IPv6 as [v6]:PORT)"
+        )
         return 1
-    entry = config.sandbox.allowList.byName(host, port)
+    decision = decideHost(config.sandbox.allowList, *authority)
+    entry = decision.entry
     if entry is None:
-        print(f"refused: {host}:{port} is not on the allow list; add it to sandbox.domains")
+        print(f"refused: {decision.reason}")
         return 1
+    host, port = decision.host, decision.port
     print(f"allowed by name: {host}:{port} matches sandbox.domains entry {entry.text!r}")
-    if config.injectFor(host.lower().rstrip(".")) is not None and port == 443:
+    if config.injectFor(host) is not None and port == 443:
         print(f"  the proxy terminates TLS for {host} and sets its credential header")
     from agentsandbox.policy import PROXY_AWARE, literalFixes, noProxyNote
 

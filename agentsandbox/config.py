@@ -441,12 +441,12 @@ def _positive(t: _Table, name: str, kind: type[T], default: T) -> T:
     return v
 
 
-_SIZE = re.compile(r"^(infinity|[0-9]+[KMGTkmgt]?)$")
-_PERCENT = re.compile(r"^[0-9]+%$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_ENV_PATTERN = re.compile(r"^[A-Za-z0-9_*?\[\]]+$")
-_HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-_RUN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_SIZE = re.compile(r"(infinity|[0-9]+[KMGTkmgt]?)")
+_PERCENT = re.compile(r"[0-9]+%")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_PATTERN = re.compile(r"[A-Za-z0-9_*?\[\]]+")
+_HEADER = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_RUN_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 #: Variables a host command never takes from the sandbox: they choose what runs or loads.
 _CALLER_ENV_REFUSED = frozenset(
     {"PATH", "IFS", "ENV", "BASH_ENV", "PYTHONPATH", "PYTHONSTARTUP", "PERL5LIB", "PERL5OPT",
@@ -490,7 +490,7 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
     keep = t.strings("keep_env", ())
     for key, values in (("unset_env", unset), ("keep_env", keep)):
         for i, v in enumerate(values):
-            if not _ENV_PATTERN.match(v):
+            if not _ENV_PATTERN.fullmatch(v):
                 raise t.error(f"{key}[{i}]", f"{v!r} is not a variable name or a */? pattern")
     t.finish()
     return SandboxConfig(
@@ -532,7 +532,7 @@ LISTEN_FORMS = (
 
 
 #: ``HOST:PORT``, ``[V6]:PORT``: the shorthand (a bare IPv6 literal has no port).
-_HOST_PORT = re.compile(r"^(\[[^\]]*\]|[^:\[\]]+):[0-9]+$")
+_HOST_PORT = re.compile(r"(\[[^\]]*\]|[^:\[\]]+):[0-9]+")
 
 
 class ListenError(ValueError):
@@ -614,7 +614,7 @@ def parseListen(text: str) -> tuple[str, int | None]:
         if not args["index"].isdigit():
             raise ListenError(f"systemd: index {args['index']!r} is not a number")
         return text, None
-    shorthand = _HOST_PORT.match(text)
+    shorthand = _HOST_PORT.fullmatch(text)
     host = shorthand.group(1).strip("[]") if shorthand is not None else ""
     if shorthand is None or not (parseIP(host) or "." in host or host.lower() == "localhost"):
         if len(fields) == 1 or parseIP(text) is not None:
@@ -688,7 +688,7 @@ def _parseToken(t: _Table, paths: Paths) -> TokenSource:
             "give exactly one of token_command, token_file and token_env"
             + (f" (found {', '.join(given)})" if given else ""),
         )
-    if env and not _ENV_NAME.match(env):
+    if env and not _ENV_NAME.fullmatch(env):
         raise t.error("token_env", f"{env!r} is not a variable name")
     renew = _positive(t, "renew", float, DEFAULT_RENEW)
     # Read for every source, so a bad value is refused wherever it stands; only
@@ -730,7 +730,7 @@ def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
             claimed[entry.host] = i
             canon.append(entry.host)
         header = t.get("header", str, "Authorization")
-        if not _HEADER.match(header):
+        if not _HEADER.fullmatch(header):
             raise t.error("header", f"{header!r} is not an HTTP header name")
         fmt = t.get("format", str, "Bearer {token}")
         basicUser = t.get("basic_user", str, "") or None
@@ -762,7 +762,7 @@ def _parseBroker(t: _Table, paths: Paths) -> BrokerConfig:
     commands: list[RunCommand] = []
     for name in sorted(runTable.data):
         runTable.seen.add(name)
-        if not _RUN_NAME.match(name):
+        if not _RUN_NAME.fullmatch(name):
             raise runTable.error(name, "a command name is lower case letters, digits, '.', '_', '-'")
         c = _Table(t.source, runTable.key(name), runTable.data[name])
         argv = c.strings("argv", ())
@@ -773,16 +773,16 @@ def _parseBroker(t: _Table, paths: Paths) -> BrokerConfig:
         patterns = c.strings("args", ())
         for i, p in enumerate(patterns):
             try:
-                re.compile(p)
-            except re.error as e:
+                re.compile(p, re.ASCII)  # as ops.Run matches it
+            except (re.error, ValueError) as e:  # ValueError: a (?u) flag against re.ASCII
                 raise c.error(f"args[{i}]", f"not a regular expression: {e}") from None
         envNames = c.strings("env", ())
         for i, n in enumerate(envNames):
-            if not _ENV_NAME.match(n):
+            if not _ENV_NAME.fullmatch(n):
                 raise c.error(f"env[{i}]", f"{n!r} is not a variable name")
         callerEnv = c.strings("caller_env", ())
         for i, n in enumerate(callerEnv):
-            if not _ENV_NAME.match(n):
+            if not _ENV_NAME.fullmatch(n):
                 raise c.error(f"caller_env[{i}]", f"{n!r} is not a variable name")
             if n in _CALLER_ENV_REFUSED or n.startswith(("LD_", "DYLD_")):
                 raise c.error(
@@ -818,10 +818,10 @@ def _parseScope(t: _Table) -> ScopeConfig:
     memMax = t.get("memory_max", str, "8G")
     swapMax = t.get("memory_swap_max", str, "0")
     for key, v in (("memory_max", memMax), ("memory_swap_max", swapMax)):
-        if not _SIZE.match(v):
+        if not _SIZE.fullmatch(v):
             raise t.error(key, f"{v!r} is not a size (bytes, or a number with K, M, G or T, or infinity)")
     cpu = t.get("cpu_quota", str, "") or None
-    if cpu is not None and not _PERCENT.match(cpu):
+    if cpu is not None and not _PERCENT.fullmatch(cpu):
         raise t.error("cpu_quota", f"{cpu!r} is not a percentage such as 200%")
     t.finish()
     return ScopeConfig(slice=sliceName, memory_max=memMax, memory_swap_max=swapMax, cpu_quota=cpu)
@@ -841,7 +841,7 @@ def _parseAudit(t: _Table, paths: Paths) -> AuditConfig:
 def _parseRun(t: _Table) -> RunConfig:
     env = t.strings("env", DEFAULT_RUN_ENV)
     for i, v in enumerate(env):
-        if not _ENV_PATTERN.match(v):
+        if not _ENV_PATTERN.fullmatch(v):
             raise t.error(f"env[{i}]", f"{v!r} is not a variable name or a */? pattern")
     t.finish()
     return RunConfig(env=env)

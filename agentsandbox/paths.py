@@ -123,7 +123,9 @@ class Paths:
         if path == "~":
             return self.home
         if path.startswith("~/"):
-            return os.path.join(self.home, path[2:])
+            # ``~//x`` is the home's ``x`` to a shell and to Node's path.join;
+            # os.path.join would read the second slash as a new root (``/x``).
+            return os.path.join(self.home, path[2:].lstrip("/"))
         return path
 
 

@@ -81,7 +81,8 @@ def _absolute(path: str, cwd: str, home: str) -> str:
     if path == "~":
         path = home
     elif path.startswith("~/"):
-        path = os.path.join(home, path[2:])
+        # As Paths.expandUser: ``~//x`` is under the home, never ``/x``.
+        path = os.path.join(home, path[2:].lstrip("/"))
     if not os.path.isabs(path):
         path = os.path.join(cwd or "/", path)
     path = os.path.normpath(path)

@@ -39,7 +39,7 @@ from twisted.python.failure import Failure
 from agentsandbox.config import CommandSource, EnvSource, FileSource, InjectRule, TokenSource
 
 #: What a source may print: a header value must never carry CR, LF or spaces.
-_TOKEN = re.compile(r"^[\x21-\x7e]{1,8192}$")
+_TOKEN = re.compile(r"[\x21-\x7e]{1,8192}")
 MAX_OUTPUT = 64 * 1024
 FIRST_BACKOFF = 5.0
 
@@ -94,7 +94,7 @@ def checkToken(raw: bytes, what: str) -> str:
         token = text.decode("ascii")
     except UnicodeDecodeError:
         raise TokenError(f"{what} gave {len(text)} bytes that are not ASCII, so no token") from None
-    if not _TOKEN.match(token):
+    if not _TOKEN.fullmatch(token):
         raise TokenError(
             f"{what} gave {len(text)} bytes with spaces or control characters, so no token"
         )

@@ -125,7 +125,10 @@ def test_check_read_write_host(user: User) -> None:
     assert cli(user, "check", "host", "a.example.com:8443").returncode == 0
     refused = cli(user, "check", "host", "example.com")
     assert refused.returncode == 1
-    assert refused.stdout == "refused: example.com:443 is not on the allow list; add it to sandbox.domains\n"
+    assert refused.stdout == (
+        "refused: example.com:443 is not on the sandbox's allow list "
+        "(add 'example.com' to sandbox.domains to allow it)\n"
+    )
     assert cli(user, "check", "host", "127.0.0.1:6443").returncode == 0
     assert cli(user, "check", "host", "127.0.0.1:6444").returncode == 1
     assert cli(user, "check", "host", "[::1]:x").returncode == 1

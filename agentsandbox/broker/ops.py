@@ -51,7 +51,7 @@ KUBECONFIG_TIMEOUT = 30.0
 SCOPE_SETTLE = 5.0
 SCOPE_POLL = 0.02
 
-_CONTEXT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,252}$")
+_CONTEXT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,252}")
 _SOCKS_VARS = ("ALL_PROXY", "all_proxy", "FTP_PROXY", "ftp_proxy")
 
 
@@ -439,10 +439,24 @@ class Run:
                 f"(broker.run.{name}.args)"
             )
         for i, (arg, pattern) in enumerate(zip(args, command.args, strict=True)):
-            if re.fullmatch(pattern, arg) is None:
+            # The program reads bytes: ``\d``, ``\w`` and ``\s`` mean their ASCII
+            # classes (a Unicode digit is not a digit to the program), and the
+            # whole argument must match (``fullmatch``: ``$`` would let a final
+            # newline through).
+            if re.fullmatch(pattern, arg, re.ASCII) is None:
                 raise OpError(
                     f"argument {i + 1} of host command {name!r}, {arg!r}, does not match "
                     f"{pattern!r} (broker.run.{name}.args[{i}])"
+                )
+            # A program reads a leading '-' as an option, whatever the pattern
+            # meant: an operand pattern such as '[a-z0-9.-]+' must not deliver
+            # '--upload-pack=...'.  Options pass only through a pattern that
+            # itself starts with a literal '-'.
+            if arg.startswith("-") and not pattern.startswith(("-", "\\-")):
+                raise OpError(
+                    f"argument {i + 1} of host command {name!r}, {arg!r}, starts with '-', "
+                    f"which the program would read as an option; a pattern that means an "
+                    f"option starts with '-' (broker.run.{name}.args[{i}] is {pattern!r})"
                 )
         return RunPlan(command=command, args=tuple(args))
 
@@ -619,7 +633,7 @@ class Kubeconfig:
         if len(request.args) != 1:
             raise OpError("kubeconfig takes exactly one context name")
         context = request.args[0]
-        if not _CONTEXT.match(context):
+        if not _CONTEXT.fullmatch(context):
             raise OpError(f"{context!r} is not a kubeconfig context name")
         if config.broker.kubeconfig is None:
             raise OpError(

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from agentsandbox.config import ScopeConfig
 
 INFINITY = 2**64 - 1
-_SIZE = re.compile(r"^([0-9]+)([KMGTkmgt]?)$")
-_PERCENT = re.compile(r"^([0-9]+)%$")
+_SIZE = re.compile(r"([0-9]+)([KMGTkmgt]?)")
+_PERCENT = re.compile(r"([0-9]+)%")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 #: systemd's CPUQuotaPerSecUSec: microseconds of CPU time per second of wall time.
 _USEC_PER_PERCENT = 10_000
@@ -46,7 +46,7 @@ def parseSize(text: str) -> int:
     """Bytes for ``infinity`` or a number with an optional K, M, G or T (powers of 1024)."""
     if text == "infinity":
         return INFINITY
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     if m is None:
         raise ScopeError(
             f"{text!r} is not a size (bytes, or a number with K, M, G or T, or infinity)"
@@ -58,7 +58,7 @@ def parseSize(text: str) -> int:
 
 
 def parsePercent(text: str) -> int:
-    m = _PERCENT.match(text)
+    m = _PERCENT.fullmatch(text)
     if m is None or int(m.group(1)) == 0:
         raise ScopeError(f"{text!r} is not a CPU percentage such as 150%")
     return int(m.group(1))

@@ -54,9 +54,9 @@ REPLY_TMP = ".reply.tmp"
 #: Every suffix the spool may hold; anything else in the directory is not ours.
 SUFFIXES = (REPLY_TMP, REPLY, REQ, TMP, OUT)
 
-_ID = re.compile(r"^[0-9a-f]{24}$")
+_ID = re.compile(r"[0-9a-f]{24}")
 _GPG_KEY_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
-_SSH_PUBLIC = re.compile(r"^[a-z0-9@.-]+ [A-Za-z0-9+/]+=*(?: .*)?$")
+_SSH_PUBLIC = re.compile(r"[a-z0-9@.-]+ [A-Za-z0-9+/]+=*(?: .*)?")
 
 #: The only gpg call the broker makes for a sandbox: git's detached, armoured signature.
 GPG_SHAPE = "--status-fd=2 -bsau KEY"
@@ -85,7 +85,7 @@ def newId() -> str:
 
 
 def isId(text: str) -> bool:
-    return bool(_ID.match(text))
+    return bool(_ID.fullmatch(text))
 
 
 def splitName(name: str) -> tuple[str, str] | None:
@@ -149,6 +149,13 @@ def parseRequest(raw: bytes) -> Request:
             raise WireError(f"malformed request: args[{i}] must be a string")
         if "\0" in a:
             raise WireError(f"malformed request: args[{i}] holds a NUL byte")
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (valid in JSON) has no bytes the program could
+            # get; '\udcff' would reach exec as the byte 0xff through
+            # surrogateescape, a second reading of what the pattern matched.
+            raise WireError(f"malformed request: args[{i}] is not valid Unicode text") from None
     data: bytes | None = None
     if "input" in obj:
         try:
@@ -243,7 +250,7 @@ def publicKeyOf(text: str) -> str | None:
     line = stripped.splitlines()[0] if stripped else ""
     if line.startswith("key::"):
         line = line[5:]
-    if not _SSH_PUBLIC.match(line):
+    if not _SSH_PUBLIC.fullmatch(line):
         return None
     kind, blob = line.split()[:2]
     return f"{kind} {blob}"

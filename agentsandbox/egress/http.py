@@ -23,7 +23,6 @@ forwarded on this path.
 
 from __future__ import annotations
 
-import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -50,6 +49,7 @@ from agentsandbox.egress.http11 import (
     takeResponseHead,
 )
 from agentsandbox.egress.proxy import Refusal, RefusalError, refusalOf
+from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 
 if TYPE_CHECKING:
     from agentsandbox.egress.proxy import FrontDoor, Grant
@@ -57,8 +57,6 @@ if TYPE_CHECKING:
 #: A pipelining client may not run further ahead than this while we answer.
 MAX_READ_AHEAD = 256 * 1024
 
-_PORT = re.compile(r"^[1-9][0-9]{0,4}$")
-_NOT_IN_HOST = re.compile(r"[/@?#\\ \t]")
 _HOST_ONLY = frozenset({b"host"})
 
 NOT_A_PROXY_REQUEST = (
@@ -82,21 +80,9 @@ def errorReply(status: int, text: str) -> bytes:
 
 
 def parseAuthority(target: str) -> tuple[str, int] | None:
-    """``host:port`` or ``[v6]:port`` (CONNECT's authority form), else None."""
-    if target.startswith("["):
-        close = target.find("]")
-        if close < 0 or target[close + 1 : close + 2] != ":":
-            return None
-        host, port = target[1:close], target[close + 2 :]
-    else:
-        host, sep, port = target.rpartition(":")
-        if not sep or ":" in host:
-            return None
-    if not host or not _PORT.match(port) or int(port) > 65535:
-        return None
-    if _NOT_IN_HOST.search(host):
-        return None
-    return host, int(port)
+    """``host:port`` or ``[v6]:port`` (CONNECT's authority form), else None: ``rules.parseAuthority``,
+    the one reading ``agentsandbox check host`` uses too."""
+    return rulesAuthority(target)
 
 
 class HTTPHandler:
@@ -270,20 +256,25 @@ class ForwardExchange:
 
     # ---------------------------------------------------------------- the request
     def start(self) -> None:
+        # The URL's authority is read by the same parser as CONNECT's (port 80
+        # when absent): urlsplit would read ':0' as "no port" (so 80) and
+        # ':0080' as 80 while the origin is sent the authority as written.
         try:
             parts = urlsplit(self.target)
-            host = parts.hostname
-            port = parts.port or 80
-        except ValueError:
-            host = None
-            port = 0
+        except ValueError:  # "Invalid IPv6 URL"
+            parts = urlsplit("http:")
+        netloc = parts.netloc.rpartition("@")[2]
+        parsed = None
+        if netloc.startswith("[") or netloc.count(":") <= 1:
+            parsed = rulesAuthority(netloc, 80)
+        host, port = parsed if parsed is not None else (None, 0)
         if not host:  # (the scheme is http: onRequest checked)
             self.done = True
             self.handler.exchange = None
             self.handler.fail(400, f"{self.target!r} is not an http:// URL with a host", parse=True)
             return
         self.host, self.port = host, port
-        authority = parts.netloc.rpartition("@")[2].encode("ascii")
+        authority = netloc.encode("ascii")
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         head = self.head
         lines = [self.method, b" ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", authority, b"\r\n"]

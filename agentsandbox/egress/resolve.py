@@ -9,11 +9,9 @@ rebinding).  ``describeResolved`` is the same decision, synchronously, for
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -23,17 +21,23 @@ from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import IResolver
 from agentsandbox.egress.rules import (
-    DOMAINS_KEY,
     AddressDecision,
     AllowList,
-    Entry,
-    EntryError,
+    HostDecision,
     IPAddress,
-    canonicalHost,
     decideAddress,
-    parseIP,
-    refusedByName,
+    decideHost,
 )
+
+__all__ = [
+    "HostDecision",
+    "ResolveError",
+    "SystemResolver",
+    "addressesFromGetaddrinfo",
+    "decideAddresses",
+    "decideHost",
+    "describeResolved",
+]
 
 
 class ResolveError(Exception):
@@ -49,32 +53,83 @@ class ResolveError(Exception):
 GetAddrInfo = Callable[..., Any]
 
 
+#: The hosts database ``getaddrinfo`` reads before DNS (``hosts: files dns``).
+HOSTS_FILE = "/etc/hosts"
+
+
 def addressesFromGetaddrinfo(
-    host: str, port: int, getaddrinfo: GetAddrInfo = socket.getaddrinfo
+    host: str,
+    port: int,
+    getaddrinfo: GetAddrInfo = socket.getaddrinfo,
+    hostsFile: str = HOSTS_FILE,
 ) -> list[IPAddress]:
-    """Every distinct address ``getaddrinfo`` gives for a TCP connection, in its order.
+    """Every distinct address of exactly ``host`` (canonical) for a TCP connection, in order.
+
+    The name the allow list matched is the name resolved, in three readings
+    that never apply the resolver's search list (``search corp.internal`` would
+    turn an allowed ``a.example.com`` that has no record into
+    ``a.example.com.corp.internal``, a name no entry allowed):
+
+    1. a numeric spelling (``2130706433``, ``0x7f.1``, ``127.1``) is the address
+       the C library reads it as (``AI_NUMERICHOST``, no lookup);
+    2. a name in the hosts file gets that file's addresses, as ``getaddrinfo``
+       would give them before asking DNS;
+    3. anything else is asked as the absolute name ``host.``, which the
+       resolver never extends with a search domain.
 
     Scope ids (``fe80::1%eth0``) are dropped: the address's class decides, and a
     link-local address is refused whatever its scope.
     """
     try:
-        infos = getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as e:
-        raise ResolveError(host, str(e) or type(e).__name__) from None
+        infos = getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        infos = None
+    if infos is None:
+        listed = hostsFileAddresses(host, hostsFile)
+        if listed:
+            return listed
+        absolute = host if host.endswith(".") else host + "."
+        try:
+            infos = getaddrinfo(absolute, port, 0, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as e:
+            raise ResolveError(host, str(e) or type(e).__name__) from None
     seen: list[IPAddress] = []
     for family, _type, _proto, _canon, sockaddr in infos:
         if family not in (socket.AF_INET, socket.AF_INET6):
             continue
-        text = str(sockaddr[0]).split("%", 1)[0]
-        try:
-            ip = ipaddress.ip_address(text)
-        except ValueError:
-            continue
-        if ip not in seen:
+        ip = _address(str(sockaddr[0]))
+        if ip is not None and ip not in seen:
             seen.append(ip)
     if not seen:
         raise ResolveError(host, "no A or AAAA answer")
     return seen
+
+
+def _address(text: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def hostsFileAddresses(host: str, hostsFile: str = HOSTS_FILE) -> list[IPAddress]:
+    """The addresses ``hostsFile`` lists for ``host`` (any of a line's names, any case)."""
+    want = host.lower().removesuffix(".")
+    try:
+        with open(hostsFile, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    found: list[IPAddress] = []
+    for line in lines:
+        fields = line.partition("#")[0].split()
+        if len(fields) < 2:
+            continue
+        if want in (name.lower().removesuffix(".") for name in fields[1:]):
+            ip = _address(fields[0])
+            if ip is not None and ip not in found:
+                found.append(ip)
+    return found
 
 
 @implementer(IResolver)
@@ -94,43 +149,6 @@ class SystemResolver:
             port,
             self._getaddrinfo,
         )
-
-
-@dataclass(frozen=True)
-class HostDecision:
-    """The name half of a decision: the canonical host and the entry that allows it."""
-
-    host: str
-    port: int
-    entry: Entry | None
-    reason: str
-
-    @property
-    def allowed(self) -> bool:
-        return self.entry is not None
-
-    @property
-    def literal(self) -> IPAddress | None:
-        return _literal(self.host)
-
-
-@functools.lru_cache(maxsize=1024)
-def _literal(host: str) -> IPAddress | None:
-    return parseIP(host)
-
-
-def decideHost(allow: AllowList, host: str, port: int) -> HostDecision:
-    """Is ``host:port`` on the allow list by name?  No DNS here."""
-    try:
-        canon = canonicalHost(host)
-    except EntryError as e:
-        return HostDecision(host, port, None, f"{host!r} is not a host name the sandbox reaches ({e})")
-    if not 0 < port < 65536:
-        return HostDecision(canon, port, None, f"port {port} of {canon} is not a TCP port")
-    entry = allow.byName(canon, port)
-    if entry is None:
-        return HostDecision(canon, port, None, refusedByName(canon, port))
-    return HostDecision(canon, port, entry, f"{canon}:{port} is allowed by {entry.text!r} in {DOMAINS_KEY}")
 
 
 def decideAddresses(

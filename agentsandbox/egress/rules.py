@@ -10,6 +10,7 @@ Stdlib only: the config loader and ``agentsandbox check`` use it outside the rea
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
+#: One DNS label, matched with ``fullmatch``: ``re.match`` with ``$`` would
+#: accept a label ending in a newline (``$`` matches before a final ``\n``).
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
 
 
 class EntryError(ValueError):
@@ -27,9 +31,12 @@ class EntryError(ValueError):
 def canonicalHost(host: str) -> str:
     """Lower case, brackets stripped, one trailing dot dropped, IDNA to ASCII.
 
-    Raises EntryError for a host that no DNS name or IP literal can be.
+    Raises EntryError for a host that no DNS name or IP literal can be.  Nothing
+    is stripped: a host with whitespace or control characters around it is not
+    a host name, and reading it as the name inside would decide on a string the
+    client never sent (config entries are stripped by ``Entry.parse``).
     """
-    h = host.strip()
+    h = host
     if h.startswith("[") and h.endswith("]"):
         h = h[1:-1]
     if h.endswith("."):
@@ -44,7 +51,7 @@ def canonicalHost(host: str) -> str:
     except UnicodeError as e:
         raise EntryError(f"{host!r} is not a valid host name ({e})") from None
     h = h.lower()
-    if len(h) > 253 or not all(_LABEL.match(label) for label in h.split(".")):
+    if len(h) > 253 or not all(_LABEL.fullmatch(label) for label in h.split(".")):
         raise EntryError(f"{host!r} is not a valid host name")
     return h
 
@@ -84,7 +91,9 @@ def isLoopbackName(host: str) -> bool:
 
 
 def _parsePort(text: str, entry: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not _PORT.fullmatch(text) or int(text) > 65535:
+        # Plain digits only (no sign, no leading zero, no fullwidth digits); the
+        # text is the one the Nix module's assertion repeats.
         raise EntryError(f"{entry!r}: port {text!r} is not a number from 1 to 65535")
     return int(text)
 
@@ -411,6 +420,86 @@ def decideAddress(
         None,
         cls,
     )
+
+
+def parseAuthority(target: str, defaultPort: int | None = None) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` (CONNECT's authority form), else None.
+
+    With ``defaultPort``, a bare ``host``, ``[v6]`` or IPv6 literal takes it
+    (``agentsandbox check host``).  The port is plain digits, 1 to 65535: ``+443``,
+    ``0443``, ``443\n`` and fullwidth digits are refused, not read as 443.
+    """
+    if target.startswith("["):
+        close = target.find("]")
+        if close < 0:
+            return None
+        host, rest = target[1:close], target[close + 1 :]
+        if not rest and defaultPort is not None:
+            port = str(defaultPort)
+        elif rest.startswith(":"):
+            port = rest[1:]
+        else:
+            return None
+    else:
+        host, sep, port = target.rpartition(":")
+        if sep and ":" in host:
+            if defaultPort is None or parseIP(target) is None:
+                return None
+            host, port = target, str(defaultPort)
+        elif not sep:
+            if defaultPort is None:
+                return None
+            host, port = port, str(defaultPort)
+    if not host or not _PORT.fullmatch(port) or int(port) > 65535:
+        return None
+    if _NOT_IN_HOST.search(host):
+        return None
+    return host, int(port)
+
+
+_NOT_IN_HOST = re.compile(r"[/@?#\\\s\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class HostDecision:
+    """The name half of a decision: the canonical host and the entry that allows it."""
+
+    host: str
+    port: int
+    entry: Entry | None
+    reason: str
+
+    @property
+    def allowed(self) -> bool:
+        return self.entry is not None
+
+    @property
+    def literal(self) -> IPAddress | None:
+        return _literal(self.host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _literal(host: str) -> IPAddress | None:
+    return parseIP(host)
+
+
+def decideHost(allow: AllowList, host: str, port: int) -> HostDecision:
+    """Is ``host:port`` on the allow list by name?  No DNS here.
+
+    The one name decision: the proxy (every front door) and ``agentsandbox check
+    host`` both call it, and the canonical ``host`` it returns is the name the
+    resolver is then asked, so the name judged is the name resolved.
+    """
+    try:
+        canon = canonicalHost(host)
+    except EntryError as e:
+        return HostDecision(host, port, None, f"{host!r} is not a host name the sandbox reaches ({e})")
+    if not 0 < port < 65536:
+        return HostDecision(canon, port, None, f"port {port} of {canon} is not a TCP port")
+    entry = allow.byName(canon, port)
+    if entry is None:
+        return HostDecision(canon, port, None, refusedByName(canon, port))
+    return HostDecision(canon, port, entry, f"{canon}:{port} is allowed by {entry.text!r} in {DOMAINS_KEY}")
 
 
 def refusedByName(host: str, port: int) -> str:

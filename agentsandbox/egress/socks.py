@@ -149,12 +149,17 @@ class SocksHandler:
             if len(b) < end + 2:
                 return False
             raw = b[5:end]
+            # The domain is read once, here, and that string is what the proxy
+            # decides on and resolves (rules.decideHost): bytes that are not
+            # UTF-8 are refused rather than replaced, so no second reading of
+            # them exists.  Everything else about the name (IDNA, case, a
+            # trailing dot, an IP literal sent as a domain) is canonicalHost's.
             try:
-                host = raw.decode("ascii")
+                host = raw.decode("utf-8")
             except UnicodeDecodeError:
-                host = raw.decode("utf-8", "replace")
-            if not host or any(c in host for c in "\x00\r\n\t /\\@"):
-                self._bad(f"SOCKS domain {host!r} is not a host name", reply(NOT_ALLOWED))
+                host = ""
+            if not host or any(c in host for c in "\x00\r\n\t /\\@%"):
+                self._bad(f"SOCKS domain {raw!r} is not a host name", reply(NOT_ALLOWED))
                 return False
         else:
             self._bad(f"SOCKS address type {atyp}", reply(ADDRESS_TYPE_NOT_SUPPORTED))
