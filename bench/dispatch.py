@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -109,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].append((mbs, tps))
                 print(f"  round {r + 1} {name:24s} bulk {mbs:8.0f} MB/s   {tps:8.0f} tunnels/s", flush=True)
     finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        egress.stopAll(procs.values())
         devnull.close()
         shutil.rmtree(work, ignore_errors=True)
 

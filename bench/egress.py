@@ -35,6 +35,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -42,6 +43,18 @@ SQUID = shutil.which("squid") or "/usr/sbin/squid"
 
 # --------------------------------------------------------------------------- servers (child processes)
 
+
+
+def stopAll(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every child, then wait up to 10 s each and kill the ones still running."""
+    running = list(procs)
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    for proc in running:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 def serveOrigin(bulkPort: int, echoPort: int, bulkBytes: int, httpPort: int, forwardBytes: int) -> None:
     """Origin: the bulk port sends ``bulkBytes`` then closes; the echo port echoes 1 byte;
@@ -508,13 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         idle, held = rssWithTunnels(procs["agentsandbox"].pid, ports["agentsandbox"] or 0, echoPort, opts.hold)
     finally:
-        for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stopAll(procs.values())
         shutil.rmtree(work, ignore_errors=True)
 
     direct = results["direct"]
