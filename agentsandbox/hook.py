@@ -7,16 +7,19 @@ them.  It fails closed: bad input, a config that cannot be loaded, or any
 exception denies the call with a reason.  Claude Code 2.1.197 runs a tool whose
 hook crashed, so a crash must never escape as a traceback.
 
-Stdlib only, and kept small: it runs on every file-tool call.
+Stdlib only, and kept small: it runs on every file-tool call, started by
+``hookstart`` (which the drop-in names) with nothing but this module, the
+policy and their JSON (``hookjson``).  The decision imports neither ``json``
+nor ``re`` nor ``fnmatch``: each would cost more than the decision itself
+(bench/hook.py); the SessionStart hook, run once a session, imports what it needs.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
-from fnmatch import fnmatchcase
+
+from agentsandbox.hookjson import asciiString, loads
 
 # Importing typing costs the hook more than its decision; mypy reads this name
 # as true all the same.
@@ -40,7 +43,7 @@ JS_WHITESPACE = (
     "\u2028\u2029\u202f\u205f\u3000\ufeff"
 )
 #: The characters Claude Code's Glob takes as the start of a wildcard.
-_GLOB_START = r"[*?\[{]"
+_GLOB_START = "*?[{"
 
 #: The whole stdout when even building a deny fails: a static, valid deny.
 LAST_RESORT = (
@@ -54,20 +57,14 @@ class Refusal(Exception):
 
 
 def deny(reason: str) -> str:
-    # ASCII only: a lone surrogate or any other code point is escaped, so the
-    # line can be written whatever stdout's encoding is.
+    """The deny line: ``json.dumps`` of the hook's answer, ``ensure_ascii=True``.
+
+    ASCII only: a lone surrogate or any other code point is escaped, so the
+    line can be written whatever stdout's encoding is.
+    """
     return (
-        json.dumps(
-            {
-                "hookSpecificOutput": {
-                    "hookEventName": "PreToolUse",
-                    "permissionDecision": "deny",
-                    "permissionDecisionReason": reason,
-                }
-            },
-            ensure_ascii=True,
-        )
-        + "\n"
+        '{"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "deny", '
+        f'"permissionDecisionReason": {asciiString(reason)}}}}}\n'
     )
 
 
@@ -218,9 +215,9 @@ def globSplit(pattern: str) -> tuple[str, str]:
     wildcard, or the pattern's dirname when it has none; it is handed to
     ripgrep unnormalised.  A relative pattern is all rest ('' root).
     """
-    match = re.search(_GLOB_START, pattern)
-    literal = pattern if match is None else pattern[: match.start()]
-    if match is None:
+    first = min((i for i in map(pattern.find, _GLOB_START) if i >= 0), default=-1)
+    literal = pattern if first < 0 else pattern[:first]
+    if first < 0:
         stripped = pattern.rstrip("/") or "/"
         cut = stripped.rfind("/")
         return (stripped[:cut] or "/", stripped[cut + 1 :]) if cut >= 0 else ("", pattern)
@@ -421,7 +418,7 @@ def pretooluse(stdin: IO[bytes], environ: Mapping[str, str]) -> str:
         if not raw.strip():
             return deny("agentsandbox refused this call: the hook's input is empty")
         try:
-            event = json.loads(raw)
+            event = loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             return deny(f"agentsandbox refused this call: the hook's input is not JSON ({e})")
         reason = decide(event, environ)
@@ -439,6 +436,9 @@ def credentialNames(
     environ: Mapping[str, str], patterns: tuple[str, ...], keep: tuple[str, ...]
 ) -> list[str]:
     """Variables of Claude Code's environment that look like credentials, sorted."""
+    import re
+    from fnmatch import fnmatchcase
+
     return sorted(
         name
         for name in environ
@@ -510,6 +510,8 @@ def sessionstart(environ: Mapping[str, str]) -> str:
         messages.append(f"agentsandbox: the SessionStart hook failed ({type(e).__name__}: {e}).")
     if not messages:
         return ""
+    import json
+
     return json.dumps({"systemMessage": " ".join(messages)}, ensure_ascii=True) + "\n"
 
 

@@ -5,16 +5,15 @@ project and plan files, git's config, the spool).  ``readable`` and ``writable``
 are the decisions the PreToolUse hook and the broker make; the Claude Code
 drop-in and the srt settings render the same lists for bubblewrap.
 
-Stdlib only, and no ``dataclasses`` or ``typing`` at run time: the hook decides
-on every file-tool call within a few milliseconds of Python's own start-up, so
-``Policy`` is a small slotted immutable class, and the hook builds it from a
-cache (``cachedPolicy``) that is valid only while the config file is unchanged.
+Stdlib only, and no ``dataclasses``, ``typing``, ``json``, ``re`` or ``fnmatch``
+at import time: the hook decides on every file-tool call within a few
+milliseconds of Python's own start-up, so ``Policy`` is a small slotted
+immutable class, and the hook builds it from a cache (``cachedPolicy``) that
+is valid only while the config file is unchanged.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import os
 import sys
 
@@ -63,12 +62,28 @@ def under(path: str, directory: str) -> bool:
 
 
 def underGlob(path: str, pattern: str) -> bool:
-    """``path`` is at or below a path matching ``pattern``; ``*`` never crosses ``/``."""
+    """``path`` is at or below a path matching ``pattern``; ``*`` never crosses ``/``.
+
+    Each component is matched as ``fnmatch.fnmatchcase`` matches it; the
+    components that are plain text or a lone ``*`` (all the harness's own
+    patterns have) are decided without importing fnmatch and its ``re``.
+    """
     parts = path.split("/")
     pats = pattern.split("/")
     if len(parts) < len(pats):
         return False
-    return all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats, strict=False))
+    for p, q in zip(parts, pats, strict=False):
+        if q == "*":
+            continue
+        if "*" not in q and "?" not in q and "[" not in q:
+            if p != q:
+                return False
+            continue
+        import fnmatch
+
+        if not fnmatch.fnmatchcase(p, q):
+            return False
+    return True
 
 
 def tempDir(environ: Mapping[str, str]) -> str:
@@ -237,6 +252,8 @@ class Policy:
         return isinstance(other, Policy) and self.toDict() == other.toDict()
 
     def __hash__(self) -> int:
+        import json
+
         return hash(json.dumps(self.toDict(), sort_keys=True))
 
     def __repr__(self) -> str:
@@ -545,6 +562,8 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
     ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
     cannot be loaded.
     """
+    from agentsandbox.hookjson import loads
+
     path = os.path.join(Paths.fromEnvironment(environ).stateDir, _CACHE_NAME)
     try:
         key = _cacheKey(environ)
@@ -556,7 +575,7 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
                 if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-                    data = json.loads(f.read())
+                    data = loads(f.read())
                     if data.get("key") == key:
                         policy = Policy.fromDict(data["policy"], environ)
                         if not policy.writable(path, "/"):
@@ -576,6 +595,8 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
 
 
 def _writeCache(path: str, data: dict[str, object]) -> None:
+    import json
+
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
