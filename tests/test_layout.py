@@ -34,13 +34,12 @@ def _typeCheckingOnly(node: ast.If) -> bool:
 
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _typeCheckingOnly(node):
-            for other in node.orelse:
-                yield from _imports(other)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        yield from _imports(node)
+        # Under ``if TYPE_CHECKING:`` only the ``else`` branch ever runs.
+        statements = node.orelse if isinstance(node, ast.If) and _typeCheckingOnly(node) else [node]
+        for statement in statements:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                yield statement
+            yield from _imports(statement)
 
 
 def importGraph() -> dict[str, set[str]]:
@@ -119,6 +118,16 @@ def test_the_graph_sees_the_imports_it_should() -> None:
     assert "agentsandbox.config" in graph["agentsandbox.egress.proxy"]
     # A lazy import inside a function counts.
     assert "agentsandbox.egress.http" in graph["agentsandbox.egress.proxy"]
+
+
+def test_type_checking_imports_do_not_count_but_their_else_and_lazy_ones_do() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import typeonly\nelse:\n    import runtime\n"
+        "def f():\n    import lazy\n"
+    )
+    names = [alias.name for node in _imports(ast.parse(source)) for alias in node.names]
+    assert names == ["TYPE_CHECKING", "runtime", "lazy"]
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
