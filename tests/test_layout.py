@@ -136,18 +136,10 @@ def test_the_circle_finder_finds_a_circle() -> None:
 
 
 #: The circles main still has, each open work of issue 14: config validates its
-#: layout with the Policy it describes while policy.cachedPolicy loads config; the
-#: egress handlers and the dispatcher import Refusal from the proxy that imports them
-#: (item 3 moves the decision types into egress/grant.py).  Break one, delete it here.
+#: layout with the Policy it describes while policy.cachedPolicy loads config.
+#: Break one, delete it here.
 KNOWN_CIRCLES = [
     ["agentsandbox.config", "agentsandbox.policy"],
-    [
-        "agentsandbox.egress.dispatch",
-        "agentsandbox.egress.http",
-        "agentsandbox.egress.proxy",
-        "agentsandbox.egress.register",
-        "agentsandbox.egress.socks",
-    ],
 ]
 
 
