@@ -8,8 +8,9 @@ drop-in and the srt settings render the same lists for bubblewrap.
 Stdlib only, and no ``dataclasses``, ``typing``, ``json``, ``re`` or ``fnmatch``
 at import time: the hook decides on every file-tool call within a few
 milliseconds of Python's own start-up, so ``Policy`` is a small slotted
-immutable class, and the hook builds it from a cache (``cachedPolicy``) that
-is valid only while the config file is unchanged.
+immutable class, and the hook builds it from its cache (``hook.cachedPolicy``:
+``toDict``/``fromDict``) while the config file is unchanged.  This module never
+imports the config loader: the config builds a Policy to check its layout.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from agentsandbox.paths import APP, Paths, locateConfig
+from agentsandbox.paths import APP, Paths
 
 # Importing typing costs the hook more than its decision; mypy reads this name
 # as true all the same.
@@ -521,91 +522,3 @@ def executable() -> str:
 
     found = shutil.which(APP)
     return os.path.abspath(found) if found else beside
-
-
-# --------------------------------------------------------------------------- the hook's cache
-
-_CACHE_NAME = "policy-cache.json"
-
-
-class PolicyUnavailable(Exception):
-    """No policy can be built: the config cannot be loaded.  The text says why."""
-
-_CACHE_ENV = (
-    "HOME",
-    "XDG_CONFIG_HOME",
-    "XDG_STATE_HOME",
-    "XDG_RUNTIME_DIR",
-    "CLAUDE_CONFIG_DIR",
-    "AGENTSANDBOX_EXE",
-)
-
-
-def _cacheKey(environ: Mapping[str, str]) -> list[object]:
-    from agentsandbox import __version__
-
-    source = locateConfig(None, environ)
-    fileKey: list[object] | None = None
-    if source is not None:
-        st = os.stat(source)
-        fileKey = [source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return [__version__, fileKey, [environ.get(n) for n in _CACHE_ENV]]
-
-
-def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
-    """The policy and its config's source, parsing the config only when it changed.
-
-    The hook runs on every file-tool call; parsing and validating TOML costs
-    more than its whole budget.  The cache sits in the state dir, which sessions
-    cannot write; it is ignored when the policy it holds would let a session
-    write it, or when it is not a private file of this user.  Raises
-    ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
-    cannot be loaded.
-    """
-    from agentsandbox.hookjson import loads
-
-    path = os.path.join(Paths.fromEnvironment(environ).stateDir, _CACHE_NAME)
-    try:
-        key = _cacheKey(environ)
-    except OSError:
-        key = None
-    if key is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-                    data = loads(f.read())
-                    if data.get("key") == key:
-                        policy = Policy.fromDict(data["policy"], environ)
-                        if not policy.writable(path, "/"):
-                            return policy, str(data["source"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    from agentsandbox.config import ConfigError, load
-
-    try:
-        config = load(None, environ)
-    except ConfigError as e:
-        raise PolicyUnavailable(str(e)) from None
-    policy = Policy.fromConfig(config, environ)
-    if key is not None and not policy.writable(path, "/"):
-        _writeCache(path, {"key": key, "source": config.source, "policy": policy.toDict()})
-    return policy, config.source
-
-
-def _writeCache(path: str, data: dict[str, object]) -> None:
-    import json
-
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
