@@ -397,6 +397,9 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
     write it, or when it is not a private file of this user.  Raises
     ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
     cannot be loaded.  Only a miss imports the config loader (and TOML).
+
+    The policy is for one decision: it resolves each path once
+    (``Policy.remembering``), the cache's own check included.
     """
     from agentsandbox.paths import Paths
     from agentsandbox.policy import Policy
@@ -414,7 +417,7 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
                 if st.st_uid == os.getuid() and not st.st_mode & 0o022:
                     data = loads(f.read())
                     if data.get("key") == key:
-                        policy = Policy.fromDict(data["policy"], environ)
+                        policy = Policy.fromDict(data["policy"], environ).remembering()
                         if not policy.writable(path, "/"):
                             return policy, str(data["source"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -425,7 +428,7 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
         config = load(None, environ)
     except ConfigError as e:
         raise PolicyUnavailable(str(e)) from None
-    policy = Policy.fromConfig(config, environ)
+    policy = Policy.fromConfig(config, environ).remembering()
     if key is not None and not policy.writable(path, "/"):
         _writeCache(path, {"key": key, "source": config.source, "policy": policy.toDict()})
     return policy, config.source
@@ -457,9 +460,7 @@ def _quoted(shown: str) -> str:
 
 def _readAs(policy: Policy, reading: Reading, shown: str, cwd: str) -> str:
     """How ``shown`` was read, where the reason would not make that plain."""
-    from agentsandbox.policy import resolve
-
-    real = resolve(reading.path, cwd, policy.home)
+    real = policy._resolve(reading.path, cwd)
     if reading.physical:
         return f" (which the file system resolves, links before '..', to {real})"
     if jsTrim(shown) != shown:

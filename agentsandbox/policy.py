@@ -205,7 +205,7 @@ class Policy:
     of the value.
     """
 
-    __slots__ = (*_FIELDS, "environ")
+    __slots__ = (*_FIELDS, "_resolved", "environ")
 
     home: str
     runtime: str | None
@@ -221,6 +221,8 @@ class Policy:
     exe: str
     configFile: str | None
     environ: Mapping[str, str]
+    #: Resolved paths by (path, cwd), in a ``remembering`` copy; None otherwise.
+    _resolved: dict[tuple[str, str], str] | None
 
     def __init__(
         self,
@@ -245,6 +247,7 @@ class Policy:
             value = values[name]
             object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
         object.__setattr__(self, "environ", {} if environ is None else environ)
+        object.__setattr__(self, "_resolved", None)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Policy is immutable; cannot set {name}")
@@ -323,8 +326,26 @@ class Policy:
         """The directories denied for reading apart from what the lists re-allow."""
         return (self.home,) if self.runtime is None else (self.home, self.runtime)
 
+    def remembering(self) -> Policy:
+        """This policy, resolving each path once: for one decision, such as the hook's.
+
+        One Read decides two readings against every list entry, so most paths
+        would be resolved several times.  A long-lived policy (the broker's) must
+        not remember: a link may change between two decisions.
+        """
+        copy = Policy(**self.toDict(), environ=self.environ)  # type: ignore[arg-type]
+        object.__setattr__(copy, "_resolved", {})
+        return copy
+
     def _resolve(self, path: str, cwd: str) -> str:
-        return resolve(path, cwd, self.home)
+        memo = self._resolved
+        if memo is None:
+            return resolve(path, cwd, self.home)
+        key = (path, cwd)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = resolve(path, cwd, self.home)
+        return found
 
     def processPath(self, path: str, cwd: str) -> str | None:
         """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved."""
