@@ -116,6 +116,48 @@ def resolve(path: str, cwd: str, home: str) -> str:
     return os.path.realpath(path)
 
 
+#: Paths with more components than this are resolved by ``os.path.realpath``
+#: alone: remembering every prefix of a 64 KiB path would cost more than it saves.
+_REMEMBERED_DEPTH = 64
+
+
+def realpathRemembering(path: str, memo: dict[str, str]) -> str:
+    """``os.path.realpath(path)`` of an absolute, normalised path, each parent resolved once.
+
+    The same answer as realpath (tests/test_policy compares them on generated
+    trees of links, loops and dangling links included): a component that is no
+    link is appended to its parent's resolution; one that is a link is handed,
+    with that resolution, to realpath itself.  A link loop leaves realpath's
+    answer holding the looping link, and every lstat below it then fails, so the
+    rest is appended unresolved, as realpath appends it.  ``memo`` maps each
+    resolved prefix to its resolution.
+    """
+    found = memo.get(path)
+    if found is not None:
+        return found
+    if path.count("/") > _REMEMBERED_DEPTH or not path.startswith("/") or path.startswith("//"):
+        found = memo[path] = os.path.realpath(path)
+        return found
+    # The nearest remembered parent, then each component below it in turn.
+    todo: list[str] = []
+    head = path
+    while head != "/" and head not in memo:
+        todo.append(head)
+        head = head.rpartition("/")[0] or "/"
+    real = "/" if head == "/" else memo[head]
+    import stat
+
+    for prefix in reversed(todo):
+        name = prefix.rpartition("/")[2]
+        candidate = real + name if real == "/" else real + "/" + name
+        try:
+            link = stat.S_ISLNK(os.lstat(candidate).st_mode)
+        except OSError:
+            link = False
+        real = memo[prefix] = os.path.realpath(candidate) if link else candidate
+    return real
+
+
 #: The proxy as sandboxed commands see it: the in-sandbox bridge srt and
 #: Claude Code start (their ``HTTPS_PROXY``), which leads to ``proxy.port``.
 SANDBOX_PROXY_URL = "http://localhost:3128"
@@ -221,8 +263,8 @@ class Policy:
     exe: str
     configFile: str | None
     environ: Mapping[str, str]
-    #: Resolved paths by (path, cwd), in a ``remembering`` copy; None otherwise.
-    _resolved: dict[tuple[str, str], str] | None
+    #: Each absolute path and parent resolved so far, in a ``remembering`` copy; else None.
+    _resolved: dict[str, str] | None
 
     def __init__(
         self,
@@ -330,8 +372,9 @@ class Policy:
         """This policy, resolving each path once: for one decision, such as the hook's.
 
         One Read decides two readings against every list entry, so most paths
-        would be resolved several times.  A long-lived policy (the broker's) must
-        not remember: a link may change between two decisions.
+        (and most of their parents) would be resolved several times.  A
+        long-lived policy (the broker's) must not remember: a link may change
+        between two decisions.
         """
         copy = Policy(**self.toDict(), environ=self.environ)  # type: ignore[arg-type]
         object.__setattr__(copy, "_resolved", {})
@@ -341,11 +384,7 @@ class Policy:
         memo = self._resolved
         if memo is None:
             return resolve(path, cwd, self.home)
-        key = (path, cwd)
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = resolve(path, cwd, self.home)
-        return found
+        return realpathRemembering(_absolute(path, cwd, self.home), memo)
 
     def processPath(self, path: str, cwd: str) -> str | None:
         """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved."""
