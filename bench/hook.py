@@ -10,9 +10,12 @@ with a real config, deciding a denied Read (the slower path: it builds the
 reason).  The two commands alternate, so a neighbour's load falls on both.
 
 Beside wall time, the user+sys CPU time each child used (``os.wait4``), which a
-shared machine disturbs less; the goal is stated on wall time.
+shared machine disturbs less, and, where valgrind is installed, the instructions
+each command runs (callgrind's count: the same from run to run, whatever the
+load; ``perf stat`` is not used because containers seldom allow it).  The goal
+is stated on wall time.
 
-    python3 bench/hook.py [--runs 50]
+    python3 bench/hook.py [--runs 50] [--no-instructions]
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,10 +60,24 @@ def runChild(cmd: list[str], stdin: bytes, env: dict[str, str]) -> tuple[float, 
     return wall, usage.ru_utime + usage.ru_stime, out
 
 
+def instructions(cmd: list[str], stdin: bytes, env: dict[str, str]) -> int:
+    """Instructions ``cmd`` runs under callgrind (the median of three)."""
+    counts = []
+    for _ in range(3):
+        p = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
+                           input=stdin, capture_output=True, env=env, check=True)
+        found = re.search(rb"Collected : (\d+)", p.stderr)
+        assert found is not None, p.stderr
+        counts.append(int(found.group(1)))
+    return int(statistics.median(counts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--no-instructions", action="store_true", help="skip the callgrind counts")
     args = parser.parse_args()
+    counted: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="agentsandbox-bench-") as base:
         home = Path(base) / "home"
         (home / "projects/repo").mkdir(parents=True)
@@ -88,6 +107,8 @@ def main() -> int:
                 wall, cpu, _ = runChild(cmd, stdin, env)
                 times[name][0].append(wall)
                 times[name][1].append(cpu)
+        if shutil.which("valgrind") and not args.no_instructions:
+            counted = {"baseline": instructions(baseline, b"", env), "hook": instructions(hook, event, env)}
         cache = home / ".local/state/agentsandbox/policy-cache.json"
         cold = []
         for _ in range(max(5, args.runs // 10)):
@@ -105,6 +126,9 @@ def main() -> int:
     print(f"hook, config re-read     {statistics.median(cold) * 1000:7.1f} ms wall"
           f"  (median of {len(cold)}, first call after a config change)")
     print(f"cpu ratio hook / pass    {medianCpu['hook'] / medianCpu['baseline']:7.2f}x")
+    if counted:
+        print(f"instructions hook / pass {counted['hook'] / counted['baseline']:7.2f}x"
+              f"  ({counted['hook'] / 1e6:.1f}M / {counted['baseline'] / 1e6:.1f}M, callgrind)")
     print(f"ratio hook / baseline    {ratio:7.2f}x  (wall; goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'})")
     return 0
 
