@@ -8,10 +8,15 @@ exception denies the call with a reason.  Claude Code 2.1.197 runs a tool whose
 hook crashed, so a crash must never escape as a traceback.
 
 Stdlib only, and kept small: it runs on every file-tool call, started by
-``hookstart`` (which the drop-in names) with nothing but this module, the
-policy and their JSON (``hookjson``).  The decision imports neither ``json``
-nor ``re`` nor ``fnmatch``: each would cost more than the decision itself
-(bench/hook.py); the SessionStart hook, run once a session, imports what it needs.
+``hookstart.py`` (``python -I -S``, which the drop-in names) with nothing but
+this module, the policy, the paths and their JSON (``hookjson``).  The decision
+imports neither ``json`` nor ``re`` nor ``fnmatch``: each would cost more than
+the decision itself (bench/hook.py); the SessionStart hook, run once a session
+through the CLI, imports what it needs.
+
+The policy cache (``cachedPolicy``) lives here, the only place that loads the
+config for a decision: ``policy`` must not import ``config``, which builds a
+Policy to check its layout.
 """
 
 from __future__ import annotations
