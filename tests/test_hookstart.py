@@ -92,8 +92,42 @@ def test_the_warm_path_imports_only_the_hooks_room(configured: User) -> None:
     }
 
 
+#: A config with every section the loader validates: without site, a third-party
+#: import anywhere in the loader would fail the first call after a change.
+EVERY_SECTION = """\
+[sandbox]
+read = ["~/projects"]
+write = ["~/go/pkg/mod"]
+deny = ["~/projects/secret"]
+domains = ["muster.example.com", "127.0.0.1:6443", "10.0.0.0/8"]
+
+[proxy]
+port = 3190
+
+[[inject]]
+hosts = ["models.example.com"]
+header = "x-api-key"
+format = "{token}"
+token_env = "MODEL_KEY"
+
+[[inject]]
+hosts = ["registry.example.org"]
+format = "Basic {basic}"
+basic_user = "ci"
+token_file = "~/.secrets/registry"
+renew = 60
+
+[broker.run.cluster-up]
+argv = ["/usr/bin/kind", "create", "cluster"]
+args = ["^--name=[a-z]+$"]
+timeout = 120
+"""
+
+
 def test_a_cache_miss_loads_the_config_under_the_same_command(configured: User) -> None:
     """Without site, the config loader (tomllib and all) still imports: only stdlib and the package."""
+    configured.config(EVERY_SECTION)  # the loader in this process accepts it
+    configured.writeConfig(EVERY_SECTION)
     argv = dropInCommand(configured)
     cache = configured.home / ".local/state/agentsandbox/policy-cache.json"
     for _ in range(2):
