@@ -251,7 +251,7 @@ class ProxyTests(ServiceCase):
 
     @asyncTest
     async def test_injectedRequestCarriesTheTokenTheClientNeverHad(self) -> None:
-        await until(lambda: self.service.tokens.statuses()[0].present, what="the token keeper's first fetch")
+        await until(lambda: self.service.injection.tokens.statuses()[0].present, what="the token keeper's first fetch")
         egress = self.config.paths.egressDir
         assert egress is not None
         proxy = f"http://127.0.0.1:{self.proxyPort}"
@@ -286,7 +286,7 @@ class BrokerTests(ServiceCase):
         held.send(b"y" * 500)
         await until(lambda: len(held.received) >= 500, what="the held tunnel's echo")
         await until(lambda: self.service.proxyFigures()["tunnelsClosed"] == 1, what="the closed tunnel's record")
-        await until(lambda: self.service.tokens.statuses()[0].present, what="the token")
+        await until(lambda: self.service.injection.tokens.statuses()[0].present, what="the token")
         egress = self.config.paths.egressDir
         assert egress is not None
         env = {"PATH": self.env["PATH"], "HTTPS_PROXY": f"http://127.0.0.1:{self.proxyPort}", **egressVars(egress)}
@@ -325,7 +325,7 @@ class BrokerTests(ServiceCase):
         self.service.startService()
         await self.service.listening
         await self.service.broker.ready
-        await until(lambda: self.service.tokens.statuses()[0].failures, what="the failed fetch")
+        await until(lambda: self.service.injection.tokens.statuses()[0].failures, what="the failed fetch")
         (token,) = (await self.status())["tokens"]
         self.assertFalse(token["present"])
         self.assertIn(TOKEN_VAR, token["lastError"])
