@@ -77,7 +77,8 @@ class BrokerCase(unittest.TestCase):
         args: dict[str, Any] = {"holderInterval": 0.2, "killDelay": 0.5, "environ": dict(os.environ)}
         args.update(self.serviceArgs)
         args.update(overrides)
-        self.service = BrokerService(self.config, reactor=reactor, **args)
+        self.holder = ConfigHolder(self.config)
+        self.service = BrokerService(self.holder, reactor=reactor, **args)
         self.service.startService()
         self.addCleanup(self.service.stopService)
         return self.service.ready
@@ -627,22 +628,10 @@ class TimeoutTests(BrokerCase):
 
 
 class ReloadTests(BrokerCase):
-    """The broker follows the holder it was built with: nobody sets its policy or killDelay from outside."""
+    """The broker follows the holder it was built with (BrokerCase hands it one): nobody sets its policy or killDelay from outside."""
 
     broker = RUN
-
-    def setUp(self) -> Any:
-        self.base = tempBase()
-        self.addCleanup(shutil.rmtree, self.base, True)
-        self.config = makeConfig(self.base, self.broker)
-        self.spool = self.config.broker.spool
-        self.holder = ConfigHolder(self.config)
-        self.service = BrokerService(
-            self.holder, reactor=reactor, holderInterval=0.2, killDelay=30.0, stopGrace=0.25, environ=dict(os.environ)
-        )
-        self.service.startService()
-        self.addCleanup(self.service.stopService)
-        return self.service.ready
+    serviceArgs: ClassVar[dict[str, Any]] = {"killDelay": 30.0, "stopGrace": 0.25}
 
     def test_aSwapReachesTheBrokersOwnPolicy(self) -> None:
         project = os.path.join(self.base, "home", "project")

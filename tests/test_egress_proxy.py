@@ -129,6 +129,18 @@ class FakeTerminator:
         return Recorder(self.fed)
 
 
+def injectGitHub(h: ProxyHarness) -> None:
+    """Swap in a config with an inject rule for api.github.com (the proxy's own, not the terminator's)."""
+    from tests.support.egress_fixtures import makeConfig
+
+    h.factory.holder.swap(
+        makeConfig(
+            '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
+            'format = "token {token}"\ntoken_env = "T"\n'
+        )
+    )
+
+
 class BaseProxyTest(TestCase):
     spliceFast = True
 
@@ -323,15 +335,7 @@ class HttpTests(BaseProxyTest):
             terminator=term,
             config=None,
         )
-        # build a config with an inject rule for api.github.com
-        from tests.support.egress_fixtures import makeConfig
-
-        h.factory.holder.swap(
-            makeConfig(
-                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
-                'format = "token {token}"\ntoken_env = "T"\n'
-            )
-        )
+        injectGitHub(h)
         out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
         self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nterminated:hello")
         self.assertEqual(term.calls, [("api.github.com", ["192.0.2.10"])])
@@ -344,14 +348,7 @@ class HttpTests(BaseProxyTest):
     @deferredTest
     async def test_injectedHostWithoutTerminatorRefused(self) -> None:
         h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]})
-        from tests.support.egress_fixtures import makeConfig
-
-        h.factory.holder.swap(
-            makeConfig(
-                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
-                'format = "token {token}"\ntoken_env = "T"\n'
-            )
-        )
+        injectGitHub(h)
         out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403 Forbidden", out)
         self.assertIn(b"without the TLS terminator", out)
@@ -364,14 +361,7 @@ class HttpTests(BaseProxyTest):
         # alone, once per tunnel, and splices the tunnel as for any listed host.
         term = FakeTerminator(hosts=())
         h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]}, terminator=term)
-        from tests.support.egress_fixtures import makeConfig
-
-        h.factory.holder.swap(
-            makeConfig(
-                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
-                'format = "token {token}"\ntoken_env = "T"\n'
-            )
-        )
+        injectGitHub(h)
         out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
         self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nhello")
         self.assertEqual(term.asked, [("api.github.com", 443)])
@@ -552,13 +542,9 @@ class ServiceTests(TestCase):
 
     @deferredTest
     async def test_socksInjectRefusalIsRuleset(self) -> None:
-        from tests.support.egress_fixtures import makeConfig
-
         h = ProxyHarness(["api.github.com"], FixedResolver({"api.github.com": ["192.0.2.10"]}))
         await h.start()
         self.addCleanup(h.stop)
-        h.factory.holder.swap(
-            makeConfig('[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\nformat = "token {token}"\ntoken_env = "T"\n')
-        )
+        injectGitHub(h)
         out = await exchange(h.port, socksConnect(b"api.github.com", 443))
         self.assertEqual(out, b"\x05\x00" + socksReply(2))
