@@ -126,7 +126,10 @@ class InjectionServiceReloads(TestCase):
 
     def test_aStoppedServiceNoLongerFollows(self) -> None:
         holder, service = self.start(self.configs.make(""))
+        self.assertTrue(service.injector.pooling)
         service.stopService()
+        # A tunnel the stopping proxy closes after this must not refill the pool.
+        self.assertFalse(service.injector.pooling)
         holder.swap(self.configs.make(GITHUB))
         self.assertFalse(service.injector.injects("api.github.com", 443))
 
