@@ -1,7 +1,9 @@
 """The injection service: the CA, the injector, the token keepers and the egress dir, as one.
 
 ``InjectionService`` owns everything the terminating path needs and follows
-the ``ConfigHolder`` itself:
+the ``ConfigHolder`` itself: it subscribes at start (taking any swap made
+since it was built), reacts only to a change of ``[[inject]]``, and
+unsubscribes at stop.  It holds:
 
 - the **token keepers** (``agentsandbox/tokens.py``), one per token source of
   ``[[inject]]``, as its child service;
@@ -18,6 +20,10 @@ The injector's ``injects(host, port)`` is the one answer to "is this host
 terminated?": the proxy asks it when it grants a tunnel, and ``check host``
 builds an ``InjectionService`` (never started: no token fetch, no file
 written) and asks the same.
+
+The token keepers stay in ``agentsandbox/tokens.py``, beside ``config.py``
+whose token sources they fetch (``doctor`` reads those sources too); this
+service is their only user in the egress room.
 """
 
 from __future__ import annotations
