@@ -67,9 +67,9 @@ class CountingAudit:
 class RestartNotice(Service):
     """Says which changed keys wait for a restart: what the composition builds once.
 
-    The audit log, the broker's spool and scope and the proxy's listening
-    endpoint are made from the config in force at start; every other key is
-    followed by the child that reads it, on its own subscription.
+    The audit log, the broker's spool, ops and scope and the proxy's listening
+    endpoint are made once, from the config in force at start; the keys the
+    children follow live (``docs/service.md`` has the table) are theirs to follow.
     """
 
     def __init__(self, holder: ConfigHolder) -> None:
