@@ -3,7 +3,8 @@
 When the system dispatcher's registration socket exists, a user's service
 connects to it instead of binding the proxy port.  The dispatcher sends each
 connection whose client socket belongs to this user as a file descriptor
-(``SCM_RIGHTS``, one per ``{"op": "conn"}`` line; the wire is ``dispatch.py``'s);
+(``SCM_RIGHTS``, one per ``{"op": "conn"}`` line, the connections of one of the
+dispatcher's readiness events in one message; the wire is ``dispatch.py``'s);
 each one is adopted into the same ``EgressProxyFactory`` a bound port would
 feed (``IReactorSocket.adoptStreamConnection``), so the front door runs its own
 same-user peer check on it exactly as on a connection it accepted itself.
@@ -29,7 +30,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from agentsandbox.egress.dispatch import LineReader, WireError, encode, peerCredentials
+from agentsandbox.egress.dispatch import (
+    FDS_PER_MESSAGE,
+    LineReader,
+    WireError,
+    encode,
+    peerCredentials,
+)
 
 log = Logger(namespace="agentsandbox.egress")
 
@@ -84,8 +91,10 @@ class _RegistrationProtocol(Protocol):
                 self.owner.replaced()
             elif op == "error":
                 log.error("the dispatcher refused this service: {why}", why=str(message.get("error"))[:300])
-        # A descriptor with no line is the dispatcher's mistake; not adopted.
-        while len(self.descriptors) > 16:
+        # Descriptors arrive with the first byte of their message, so a message
+        # cut short leaves at most one message's worth waiting for their lines;
+        # more than that is the dispatcher's mistake, and not adopted.
+        while len(self.descriptors) > FDS_PER_MESSAGE:
             os.close(self.descriptors.popleft())
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
