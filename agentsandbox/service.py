@@ -22,8 +22,9 @@ from twisted.python.failure import Failure
 from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
+from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.interfaces import Dialer, IResolver
-from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService, tcpDialer
+from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.paths import locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher

@@ -15,7 +15,7 @@ from twisted.internet.endpoints import TCP6ServerEndpoint
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
-from agentsandbox.egress.proxy import TCPDialer, tcpDialer
+from agentsandbox.egress.dial import TCPDialer, tcpDialer
 from agentsandbox.reload import ConfigHolder
 from tests.support.egress_fixtures import (
     Echo,

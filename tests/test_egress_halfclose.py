@@ -8,7 +8,7 @@ from twisted.internet.protocol import Protocol
 from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
-from agentsandbox.egress.proxy import tcpDialer
+from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.splice import shutWrite
 from tests.support.egress_fixtures import (
     Collector,

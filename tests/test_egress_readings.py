@@ -33,7 +33,7 @@ from twisted.web.server import Site
 from twisted.web.static import Data
 
 from agentsandbox.commands import _checkHost
-from agentsandbox.egress.proxy import tcpDialer
+from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.resolve import SystemResolver, addressesFromGetaddrinfo, hostsFileAddresses
 from agentsandbox.egress.rules import (
     AllowList,

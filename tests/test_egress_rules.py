@@ -14,7 +14,8 @@ import pytest
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.python.failure import Failure
 
-from agentsandbox.egress.proxy import EgressProxyFactory, Grant, RefusalError
+from agentsandbox.egress.grant import Grant, RefusalError
+from agentsandbox.egress.proxy import EgressProxyFactory
 from agentsandbox.egress.resolve import addressesFromGetaddrinfo, decideHost, describeResolved
 from agentsandbox.egress.rules import (
     AllowList,

@@ -321,6 +321,13 @@ class UpstreamUnreachable(Base):
         self.assertIn(b"reached no api.github.com", client.received)
 
     @defer.inlineCallbacks
+    def test_theFailedDialSaysWhatATunnelsDialSays(self) -> Any:
+        # One dial (egress/dial.py) for tunnels and the injector: one "could not connect" text.
+        port = self.h.tunnelTo("api.github.com", [documentationAddress(99)])
+        client = yield self.h.raw("api.github.com", b"GET /user HTTP/1.1\r\nHost: x\r\n\r\n", port=port)
+        self.assertIn(b"could not connect to api.github.com:443 (" + str(documentationAddress(99)).encode() + b": ", client.received)
+
+    @defer.inlineCallbacks
     def test_theNextAddressIsTriedWhenOneFails(self) -> Any:
         port = self.h.tunnelTo("api.github.com", [documentationAddress(99), self.h.address])
         client = yield self.h.raw("api.github.com", b"GET /user HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", port=port)

@@ -99,6 +99,24 @@ class CATests(unittest.TestCase):
             ),
         )
 
+    def test_keyUsagesAreExactlyTheOnesEachCertificateNeeds(self) -> None:
+        def setFlags(cert: x509.Certificate) -> set[str]:
+            ku = cert.extensions.get_extension_for_class(x509.KeyUsage)
+            self.assertTrue(ku.critical)
+            # encipher_only/decipher_only are only defined (and raise otherwise) with key_agreement.
+            self.assertFalse(ku.value.key_agreement)
+            flags = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
+                     "key_cert_sign", "crl_sign")  # fmt: skip
+            return {flag for flag in flags if getattr(ku.value, flag)}
+
+        self.assertEqual(setFlags(self.ca.certificate), {"key_cert_sign", "crl_sign"})
+        self.assertEqual(setFlags(self.ca.leaf("api.github.com")), {"digital_signature"})
+
+    def test_aMisspeltKeyUsageRaises(self) -> None:
+        from agentsandbox.egress.tls import _keyUsage
+
+        self.assertRaises(ValueError, _keyUsage, "key_cert_sing")
+
     def test_noHostsIsAnError(self) -> None:
         self.assertRaises(ValueError, InjectionCA.create, [])
 

@@ -199,7 +199,7 @@ class _RefusingDoor:
         pass
 
     def openTunnel(self, kind: str, host: str, port: int, granted: Callable[[], None], refused: Callable[[Any], None]) -> None:
-        from agentsandbox.egress.proxy import Refusal
+        from agentsandbox.egress.grant import Refusal
 
         # The host is never logged or kept: the dispatcher serves no one's traffic.
         refused(Refusal("limit", "no service registered"))

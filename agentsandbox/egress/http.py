@@ -34,6 +34,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.egress.grant import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     Body,
     Head,
@@ -48,11 +49,11 @@ from agentsandbox.egress.http11 import (
     takeRequestHead,
     takeResponseHead,
 )
-from agentsandbox.egress.proxy import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 
 if TYPE_CHECKING:
-    from agentsandbox.egress.proxy import FrontDoor, Grant
+    from agentsandbox.egress.grant import Grant
+    from agentsandbox.egress.proxy import FrontDoor
 
 #: A pipelining client may not run further ahead than this while we answer.
 MAX_READ_AHEAD = 256 * 1024

@@ -43,7 +43,7 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from service_identity import VerificationError
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import (
     IDelayedCall,
@@ -58,6 +58,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import InjectRule
+from agentsandbox.egress.dial import dialInTurn
+from agentsandbox.egress.grant import RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     HOP_BY_HOP,
     ONE_HOST,
@@ -226,35 +228,20 @@ class Injector:
         return self._dial(host, addresses)
 
     def _dial(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
-        errors: list[str] = []
+        if self._upstreamContext is None:
+            self._upstreamContext = upstreamContext(self._upstreamTrust)
+        context = self._upstreamContext
 
-        def attempt(index: int) -> defer.Deferred[_Upstream]:
-            if index >= len(addresses):
-                why = "; ".join(errors) or "no address to dial"
-                return defer.fail(UpstreamError(host, f"cannot connect ({why})"))
-            address = addresses[index]
+        def streamTo(address: IPAddress) -> TLSStream:
             upstream = _Upstream(self, host, address)
-            if self._upstreamContext is None:
-                self._upstreamContext = upstreamContext(self._upstreamTrust)
-            tls = TLSStream(
-                self._upstreamContext,
-                upstream,
-                serverSide=False,
-                serverHostname=host,
-                verify=verifyUpstream(host),
-            )
-            d: defer.Deferred[Any] = endpoints.connectProtocol(  # type: ignore[no-untyped-call,unused-ignore]
-                self._dialer(address, HTTPS_PORT), tls
-            )
+            return TLSStream(context, upstream, serverSide=False, serverHostname=host, verify=verifyUpstream(host))
 
-            def failed(f: Failure) -> defer.Deferred[_Upstream]:
-                errors.append(f"{address}: {f.getErrorMessage()}")
-                return attempt(index + 1)
+        def upstreamOf(tls: TLSStream) -> _Upstream:
+            upstream = tls.wrapped
+            assert isinstance(upstream, _Upstream)
+            return upstream
 
-            result: defer.Deferred[_Upstream] = d.addCallbacks(lambda _: upstream, failed)
-            return result
-
-        return attempt(0)
+        return dialInTurn(self._dialer, host, HTTPS_PORT, addresses, streamTo).addCallback(upstreamOf)
 
     def _release(self, upstream: _Upstream) -> None:
         idle = self._idle.setdefault(upstream.host, [])
@@ -281,13 +268,6 @@ class Injector:
 
 
 _CLOSED = Failure(ConnectionError("connection closed"))  # type: ignore[no-untyped-call,unused-ignore]
-
-
-class UpstreamError(Exception):
-    def __init__(self, host: str, why: str) -> None:
-        super().__init__(f"{host}: {why}")
-        self.host = host
-        self.why = why
 
 
 def _lostWhy(reason: Failure) -> str:
@@ -607,7 +587,7 @@ class _Tunnel(Protocol):
     def _noUpstream(self, failure: Failure) -> None:
         self._dialing = False
         self._queued = []
-        why = failure.value.why if isinstance(failure.value, UpstreamError) else _lostWhy(failure)
+        why = refusalOf(failure).reason if failure.check(RefusalError) else _lostWhy(failure)
         self._upstreamFailed(why)
 
     def _dropUpstream(self) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,23 +29,22 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import (
     HostnameEndpoint,
-    TCP4ClientEndpoint,
-    TCP6ClientEndpoint,
     serverFromString,
 )
 from twisted.internet.interfaces import (
     IHalfCloseableProtocol,
     IListeningPort,
     IProtocol,
-    IStreamClientEndpoint,
 )
-from twisted.internet.protocol import ClientFactory, Factory, Protocol
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
+from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
+from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.interfaces import Dialer, IResolver, ITerminator
 from agentsandbox.egress.peer import PeerChecker, SameUserPeers
 from agentsandbox.egress.resolve import (
@@ -93,88 +91,6 @@ def _handlerClass(socks: bool) -> Any:
             from agentsandbox.egress.http import HTTPHandler as found
         _HANDLERS[socks] = found
     return found
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a tunnel was not opened.  ``kind`` picks the HTTP status and SOCKS code."""
-
-    kind: str  # policy | limit | resolve | dial | parent | inject
-    reason: str
-    allow: str | None = None
-    address: str | None = None
-
-    @property
-    def status(self) -> int:
-        return {"policy": 403, "inject": 403, "limit": 503, "resolve": 502, "dial": 502, "parent": 502}[
-            self.kind
-        ]
-
-
-class RefusalError(Exception):
-    def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.reason)
-        self.refusal = refusal
-
-
-def refusalOf(f: Failure) -> Refusal:
-    """The Refusal a failure carries (it must wrap a RefusalError)."""
-    error = f.value
-    assert isinstance(error, RefusalError)
-    return error.refusal
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A tunnel the policy allows: where it may go."""
-
-    host: str
-    port: int
-    addresses: tuple[IPAddress, ...]
-    entry: str
-    viaParent: bool
-    #: The address as the audit shows it when there is only one.
-    shown: str | None = None
-
-
-class TCPDialer:
-    """The default dialer: a TCP connection to exactly the checked address.
-
-    Called like any ``Dialer`` it returns an endpoint.  ``dial`` makes the same
-    connection straight through ``reactor.connectTCP`` for a tunnel's
-    ``UpstreamProtocol``, which reports its own ``connectionMade``: an endpoint
-    would wrap the protocol in a forwarding one, one more call on every event
-    of every tunnel.
-    """
-
-    def __init__(self, reactor: Any, timeout: float = 30.0) -> None:
-        self.reactor = reactor
-        self.timeout = timeout
-
-    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
-        ip = unwrapMapped(ip)
-        if ip.version == 4:
-            return TCP4ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
-        return TCP6ClientEndpoint(self.reactor, str(ip), port, timeout=self.timeout)
-
-    def dial(
-        self,
-        ip: IPAddress,
-        port: int,
-        protocol: UpstreamProtocol,
-        connected: Callable[[UpstreamProtocol], None],
-        failed: Callable[[Failure], None],
-    ) -> None:
-        """Connect ``protocol`` to ``ip:port``: ``connected(protocol)`` once it is,
-        or ``failed`` with the reason an endpoint would give."""
-        protocol.onConnected = connected
-        # connectTCP takes IPv6 literals too; the address is never resolved again.
-        self.reactor.connectTCP(str(unwrapMapped(ip)), port, _DirectDial(protocol, failed), timeout=self.timeout)
-
-
-def tcpDialer(reactor: Any, timeout: float = 30.0) -> TCPDialer:
-    """The default dialer (see ``TCPDialer``)."""
-    return TCPDialer(reactor, timeout)
 
 
 def parseParent(url: str) -> tuple[str, int]:
@@ -481,41 +397,6 @@ class FrontDoor(Protocol):
             refused(r)
 
 
-class _DirectDial(ClientFactory):
-    """``TCPDialer.dial``'s factory: the one protocol, and the dial's failure."""
-
-    noisy = False
-
-    def __init__(self, protocol: UpstreamProtocol, failed: Callable[[Failure], None]) -> None:
-        self._protocol = protocol
-        self._failed: Callable[[Failure], None] | None = failed
-
-    def buildProtocol(self, addr: Any) -> Protocol:
-        return self._protocol
-
-    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
-        failed, self._failed = self._failed, None
-        if failed is not None:
-            failed(reason)
-
-
-class _OneShot(Factory):
-    """Connects one protocol; quiet, since a tunnel's start is in the audit log already."""
-
-    noisy = False
-
-    def __init__(self, protocol: Protocol) -> None:
-        self._protocol = protocol
-
-    def buildProtocol(self, addr: Any) -> Protocol:
-        return self._protocol
-
-
-def connectQuietly(endpoint: IStreamClientEndpoint, protocol: Protocol) -> Deferred[Any]:
-    """``connectProtocol`` without Twisted's two "Starting/Stopping factory" lines per dial."""
-    return endpoint.connect(_OneShot(protocol))
-
-
 class EgressProxyFactory(Factory):
     """Builds front doors and owns what they share: policy, resolver, dialer, limits, audit.
 
@@ -811,14 +692,6 @@ class EgressProxyFactory(Factory):
         single = str(ok[0]) if len(ok) == 1 else None
         return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent, single)
 
-    def _dial(self, ip: IPAddress, port: int, protocol: Protocol) -> Deferred[Any]:
-        dialer = self.dialer
-        if isinstance(dialer, TCPDialer) and isinstance(protocol, UpstreamProtocol):
-            d: Deferred[Any] = Deferred()
-            dialer.dial(ip, port, protocol, d.callback, d.errback)
-            return d
-        return connectQuietly(dialer(ip, port), protocol)
-
     def connectTunnel(
         self,
         config: Config,
@@ -827,27 +700,12 @@ class EgressProxyFactory(Factory):
         connected: Callable[[UpstreamProtocol], None],
         failed: Callable[[Failure], None],
     ) -> None:
-        """``connect`` for a tunnel, reporting through callbacks.
-
-        The common case, one checked address dialled directly, needs no
-        Deferred at all; ``failed`` gets a RefusalError either way.
-        """
-        dialer = self.dialer
-        viaParent = grant.viaParent and config.proxy.parent is not None
-        if viaParent or len(grant.addresses) != 1 or not isinstance(dialer, TCPDialer):
+        """``connect`` for a tunnel, reporting through callbacks (``dial.dialTunnel``);
+        ``failed`` gets a RefusalError either way."""
+        if grant.viaParent and config.proxy.parent is not None:
             self.connect(config, grant, protocol).addCallbacks(connected, failed)
             return
-        ip = grant.addresses[0]
-
-        def dialFailed(f: Failure) -> None:
-            why = f"could not connect to {grant.host}:{grant.port} ({ip}: {f.getErrorMessage()})"
-            failed(Failure(RefusalError(Refusal("dial", why))))
-
-        try:
-            dialer.dial(ip, grant.port, protocol, connected, dialFailed)
-        except Exception as e:
-            why = f"could not connect to {grant.host}:{grant.port} ({ip}: {e})"
-            failed(Failure(RefusalError(Refusal("dial", why))))
+        dialTunnel(self.dialer, grant.host, grant.port, grant.addresses, protocol, connected, failed)
 
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""
@@ -859,50 +717,7 @@ class EgressProxyFactory(Factory):
             handshake = ParentHandshake(grant.host, grant.port, protocol)
             connectQuietly(endpoint, handshake).addErrback(handshake.failed)
             return handshake.ready
-
-        if len(grant.addresses) == 1:
-            ip = grant.addresses[0]
-
-            def dialFailed(f: Failure) -> None:
-                raise RefusalError(
-                    Refusal("dial", f"could not connect to {grant.host}:{grant.port} ({ip}: {f.getErrorMessage()})")
-                )
-
-            try:
-                return self._dial(ip, grant.port, protocol).addErrback(dialFailed)
-            except Exception as e:
-                return fail(RefusalError(Refusal("dial", f"could not connect to {grant.host}:{grant.port} ({ip}: {e})")))
-
-        errors: list[str] = []
-        result: Deferred[Any] = Deferred()
-
-        def attempt(i: int) -> None:
-            if i >= len(grant.addresses):
-                result.errback(
-                    RefusalError(
-                        Refusal(
-                            "dial",
-                            f"could not connect to {grant.host}:{grant.port} ({'; '.join(errors)})",
-                        )
-                    )
-                )
-                return
-            ip = grant.addresses[i]
-            try:
-                d = self._dial(ip, grant.port, protocol)
-            except Exception as e:
-                errors.append(f"{ip}: {e}")
-                attempt(i + 1)
-                return
-
-            def failed(f: Failure) -> None:
-                errors.append(f"{ip}: {f.getErrorMessage()}")
-                attempt(i + 1)
-
-            d.addCallbacks(result.callback, failed)
-
-        attempt(0)
-        return result
+        return dialInTurn(self.dialer, grant.host, grant.port, grant.addresses, lambda _: protocol)
 
 
 def hostPort(address: Any) -> str:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from twisted.python.failure import Failure
 
 if TYPE_CHECKING:
-    from agentsandbox.egress.proxy import FrontDoor, Refusal
+    from agentsandbox.egress.grant import Refusal
+    from agentsandbox.egress.proxy import FrontDoor
 
 VERSION = 5
 NO_AUTH = 0

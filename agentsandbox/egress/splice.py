@@ -48,7 +48,7 @@ class UpstreamProtocol(Protocol):
     tunnel: Tunnel | None = None
     transport: Any
     #: Called with this protocol from ``connectionMade`` when the dial is not an
-    #: endpoint's (``proxy.TCPDialer.dial``), which would fire its own Deferred.
+    #: endpoint's (``dial.TCPDialer.dial``), which would fire its own Deferred.
     onConnected: Callable[[UpstreamProtocol], None] | None = None
 
     def __init__(self) -> None:

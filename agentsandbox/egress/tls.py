@@ -68,6 +68,21 @@ def _serial() -> int:
     return secrets.randbits(126) | 1
 
 
+#: Every flag ``x509.KeyUsage`` takes, all of which it wants spelt out.
+_KEY_USAGES = (
+    "digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
+    "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only",
+)
+
+
+def _keyUsage(*allowed: str) -> x509.KeyUsage:
+    """A KeyUsage with exactly ``allowed`` set."""
+    unknown = set(allowed) - set(_KEY_USAGES)
+    if unknown:
+        raise ValueError(f"not a key usage: {sorted(unknown)}")
+    return x509.KeyUsage(**{usage: usage in allowed for usage in _KEY_USAGES})
+
+
 class InjectionCA:
     """A P-256 CA constrained to ``hosts``, and the leaves it signs for them.
 
@@ -117,17 +132,7 @@ class InjectionCA:
             .not_valid_after(start + LIFETIME)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                _keyUsage("key_cert_sign", "crl_sign"),
                 critical=True,
             )
             .add_extension(constraints, critical=True)
@@ -164,17 +169,7 @@ class InjectionCA:
             .not_valid_after(notValidAfter(ca))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
+                _keyUsage("digital_signature"),
                 critical=True,
             )
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
