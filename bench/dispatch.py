@@ -18,10 +18,11 @@ client's uid and passes each connection with SCM_RIGHTS):
 run from another checkout (say the commit before a change, from ``git archive``),
 measured in the same rounds, so before and after share the machine's load.
 
-Every round measures every target, in an order that rotates from round to
-round, so a slow spell of the machine falls on each in turn.  Ratios are taken
-round by round (the pair ran back to back) and their median and range are
-reported.  Goals: tunnels/s >= 0.9x direct, bulk >= 0.98x direct.
+Every round measures every target twice, there and back (A B B A, each
+target's figure for the round the mean of its two), in an order that rotates
+from round to round, so a slow spell of the machine falls on each in turn.
+Ratios are taken round by round (the pair ran side by side) and their median
+and range are reported.  Goals: tunnels/s >= 0.9x direct, bulk >= 0.98x direct.
 
 The load is lean on purpose, so that on 2 cores the proxy is what is measured:
 the tunnel client and the echo origin are plain epoll loops (asyncio streams
@@ -278,16 +279,27 @@ def main(argv: list[str] | None = None) -> int:
         echoPid = procs["echo"].pid
         for r in range(opts.rounds):
             order = targets[r % len(targets):] + targets[: r % len(targets)]
-            for target in order:
-                target.bulk.append(bulk(target.port, bulkPort, size))
-            for target in order:
+            # There and back (A B B A): a load that rises or falls through the
+            # round weighs the same on every target.
+            there = order + order[::-1]
+            got: dict[str, list[float]] = {t.name: [] for t in targets}
+            for target in there:
+                got[target.name].append(bulk(target.port, bulkPort, size))
+            for target in targets:
+                target.bulk.append(statistics.fmean(got[target.name]))
+            got = {t.name: [] for t in targets}
+            costs: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+            for target in there:
                 pids = dict(target.pids, origin=echoPid)
                 before = {k: cpuSeconds(pid) for k, pid in pids.items()}
                 mine = time.process_time()
-                target.tunnels.append(tunnelsPerSecond(target.port, echoPort, opts.tunnels, opts.concurrency))
+                got[target.name].append(tunnelsPerSecond(target.port, echoPort, opts.tunnels, opts.concurrency))
                 cpu = {"client": time.process_time() - mine}
                 cpu.update((k, cpuSeconds(pid) - before[k]) for k, pid in pids.items())
-                target.cpu.append({k: v / opts.tunnels * 1e6 for k, v in cpu.items()})
+                costs[target.name].append({k: v / opts.tunnels * 1e6 for k, v in cpu.items()})
+            for target in targets:
+                target.tunnels.append(statistics.fmean(got[target.name]))
+                target.cpu.append({k: statistics.fmean(c[k] for c in costs[target.name]) for k in costs[target.name][0]})
             print(f"  round {r + 1}: " + "   ".join(
                 f"{t.name} {t.tunnels[-1]:.0f} tunnels/s {t.bulk[-1]:.0f} MB/s" for t in targets), flush=True)  # fmt: skip
     finally:
