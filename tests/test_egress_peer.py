@@ -13,7 +13,7 @@ from twisted.internet.protocol import Factory
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
 
-from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, ownerOf
+from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, SockDiag, SocketTable, ownerOf
 from tests.support.egress_fixtures import (
     CURL,
     Echo,
@@ -78,6 +78,35 @@ def test_realLoopbackPair(family: socket.AddressFamily, host: str, netlink: bool
         peers.close()
     finally:
         for s in (client, accepted, server):
+            s.close()
+
+
+@pytest.mark.parametrize("netlink", [True, False])
+def test_ownersOfManyAtOnce(netlink: bool) -> None:
+    """The batched lookup (one netlink message for many sockets) answers each pair as one lookup would."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(128)
+    count = SockDiag.BATCH * 2 + 5  # crosses the batch boundary twice
+    clients = [socket.create_connection(server.getsockname()) for _ in range(count)]
+    accepted = [server.accept()[0] for _ in range(count)]
+    try:
+        table = SocketTable(useNetlink=netlink)
+        assert table.viaNetlink is netlink
+        pairs = [(a.getpeername()[:2], a.getsockname()[:2]) for a in accepted]
+        # No such socket, between real ones and at the end: answered None, the rest still answered.
+        missing = (("127.0.0.1", 1), accepted[0].getsockname()[:2])
+        pairs.insert(SockDiag.BATCH - 1, missing)
+        pairs.append(missing)
+        owners = table.ownersOf(pairs)
+        assert owners == [table.ownerOf(c, s) for c, s in pairs]
+        assert owners.count(None) == 2 and owners.count(os.getuid()) == count
+        assert owners[SockDiag.BATCH - 1] is None and owners[-1] is None
+        assert table.viaNetlink is netlink  # nothing failed on the way
+        assert table.ownersOf([]) == []
+        table.close()
+    finally:
+        for s in [*clients, *accepted, server]:
             s.close()
 
 

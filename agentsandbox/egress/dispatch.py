@@ -44,8 +44,9 @@ import struct
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from twisted.application.service import MultiService, Service
@@ -76,6 +77,11 @@ MAX_REFUSING = 256
 DRAIN_LIMIT = 64 * 1024
 #: Connections accepted per readiness event of a listening socket.
 ACCEPT_BATCH = 64
+#: Descriptors sent in one ``SCM_RIGHTS`` message (the kernel allows 253): the
+#: connections of one readiness event travel together, so the service reads
+#: them with one ``recvmsg`` (the kernel ends a read at the first message
+#: carrying descriptors).
+FDS_PER_MESSAGE = 64
 
 SERVICE_FIX = "`systemctl --user start agentsandbox`, or `agentsandbox serve`"
 
@@ -108,6 +114,10 @@ class LineReader:
         self._buffer = rest
         messages = []
         for line in lines:
+            if line == _CONN_LINE:
+                # The line every hand-off carries: no JSON parser for it.
+                messages.append({"op": "conn"})
+                continue
             if len(line) > self.limit:
                 raise WireError(f"a message longer than {self.limit} bytes")
             try:
@@ -130,6 +140,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 #: The line each handed-off descriptor travels with.
 CONN = encode({"op": "conn"})
+_CONN_LINE = CONN[:-1]
 
 
 def peerCredentials(sock: socket.socket) -> tuple[int, int]:
@@ -306,7 +317,8 @@ class Client:
     Its uid is the kernel's (``SO_PEERCRED``) and fixed at accept.  Outgoing
     lines (and the descriptors they carry) are queued and sent in order when
     the socket can take them; a descriptor is closed here the moment the
-    kernel has taken it.
+    kernel has taken it.  Hand-offs queued next to each other leave in one
+    message (up to ``FDS_PER_MESSAGE``): their lines and their descriptors.
     """
 
     def __init__(self, dispatcher: Dispatcher, sock: socket.socket) -> None:
@@ -314,8 +326,13 @@ class Client:
         self.sock = sock
         self.pid, self.uid = peerCredentials(sock)
         self.reader = LineReader()
-        #: (bytes, the socket they carry or None), oldest first.
+        #: (bytes, the socket they carry or None), oldest first.  Only hand-offs
+        #: (``CONN``) carry a socket.
         self.outgoing: deque[tuple[bytes, socket.socket | None]] = deque()
+        #: Sockets in ``outgoing`` (kept, not counted, on every hand-off).
+        self.queued = 0
+        #: Hand-offs were queued in this readiness event and are not sent yet.
+        self.flushDue = False
         self.registered = False
         self.closed = False
         self.closeWhenFlushed = False
@@ -393,7 +410,7 @@ class Client:
     def refuse(self, why: str) -> None:
         """Bad input: one log line, an error line back, and this connection closed."""
         log.warn("registration socket: uid {uid} (pid {pid}) {why}; closed", uid=self.uid, pid=self.pid, why=why)
-        queued = [s for _, s in self.outgoing if s is not None]
+        queued = self.takeQueued()
         self.outgoing.clear()
         # A registration that misbehaves ends now: nothing more is handed to it,
         # and what was queued for it is refused like any unserved connection.
@@ -404,38 +421,70 @@ class Client:
 
     # ------------------------------------------------------------------ writing
 
-    def send(self, data: bytes, carrying: socket.socket | None = None) -> None:
-        self.outgoing.append((data, carrying))
+    def send(self, data: bytes) -> None:
+        self.outgoing.append((data, None))
         if not self.writing:
             self._flush()
 
-    @property
-    def queued(self) -> int:
-        return sum(1 for _, s in self.outgoing if s is not None)
+    def takeQueued(self) -> list[socket.socket]:
+        """Removes the connections queued for this client (its lines stay) and returns them."""
+        if not self.queued:
+            return []
+        taken = [s for _, s in self.outgoing if s is not None]
+        self.outgoing = deque(item for item in self.outgoing if item[1] is None)
+        self.queued = 0
+        return taken
+
+    def flush(self) -> None:
+        """Sends what was queued in this readiness event (unless waiting to be writable)."""
+        self.flushDue = False
+        if not self.writing:
+            self._flush()
 
     def _flush(self) -> None:
-        while self.outgoing and not self.closed:
-            data, carrying = self.outgoing[0]
-            try:
-                if carrying is not None:
-                    sent = socket.send_fds(self.sock, [data], [carrying.fileno()])
-                else:
+        outgoing = self.outgoing
+        while outgoing and not self.closed:
+            data, carrying = outgoing[0]
+            if carrying is None:
+                try:
                     sent = self.sock.send(data)
+                except BlockingIOError:
+                    self._wantWrite(True)
+                    return
+                except OSError as e:
+                    self.close(f"send failed: {e.strerror or e}")
+                    return
+                outgoing.popleft()
+                if sent < len(data):
+                    outgoing.appendleft((data[sent:], None))
+                continue
+            # The hand-offs at the head of the queue, in one message.
+            run = [carrying]
+            for _, more in islice(outgoing, 1, FDS_PER_MESSAGE):
+                if more is None:
+                    break
+                run.append(more)
+            data = CONN * len(run)
+            try:
+                sent = socket.send_fds(self.sock, [data], [s.fileno() for s in run])
             except BlockingIOError:
                 self._wantWrite(True)
                 return
             except OSError as e:
+                # A dead service (EPIPE): what is queued, these too, gets the 503.
                 self.close(f"send failed: {e.strerror or e}")
                 return
-            self.outgoing.popleft()
-            if carrying is not None:
-                # The kernel holds the descriptor now: our copy goes.
-                carrying.close()
-                self.handedOff += 1
+            # The kernel holds the descriptors now (all of them ride with the
+            # first byte sent): our copies go.
+            for s in run:
+                outgoing.popleft()
+                s.close()
+            self.queued -= len(run)
+            self.handedOff += len(run)
             if sent < len(data):
-                self.outgoing.appendleft((data[sent:], None))
+                outgoing.appendleft((data[sent:], None))
         self._wantWrite(False)
-        if self.closeWhenFlushed and not self.outgoing:
+        if self.closeWhenFlushed and not outgoing:
             self.close()
 
     def _wantWrite(self, want: bool) -> None:
@@ -450,11 +499,17 @@ class Client:
         self.writing = True
         self._flush()
 
-    def handOff(self, conn: socket.socket) -> bool:
-        """Queue one accepted connection for this registration; False when it is full."""
+    def handOff(self, conn: socket.socket, now: bool = True) -> bool:
+        """Queue one accepted connection for this registration; False when it is full.
+
+        With ``now`` false it waits for ``flush``, so that the connections of
+        one readiness event leave together."""
         if self.closed or self.closeWhenFlushed or self.queued >= MAX_QUEUED:
             return False
-        self.send(CONN, conn)
+        self.outgoing.append((CONN, conn))
+        self.queued += 1
+        if now:
+            self.flush()
         return True
 
     # ------------------------------------------------------------------ closing
@@ -471,7 +526,7 @@ class Client:
         if self.writing:
             reactor.removeWriter(self)
             self.writing = False
-        unsent = [s for _, s in self.outgoing if s is not None]
+        unsent = self.takeQueued()
         self.outgoing.clear()
         self.sock.close()
         self.dispatcher.clientClosed(self, unsent, why)
@@ -509,7 +564,7 @@ class Dispatcher:
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
         self.speakTimeout = speakTimeout
-        #: Who owns a client socket: ``SocketTable.ownerOf(client, server)``.
+        #: Who owns client sockets: ``SocketTable.ownersOf([(client, server), ...])``.
         self.owners = owners if owners is not None else SocketTable()
         self.registrations: dict[int, Client] = {}
         self.clients: set[Client] = set()
@@ -551,8 +606,7 @@ class Dispatcher:
         if old is not None and not old.closed:
             # The newer registration gets every connection from now on, and the
             # ones still queued for the old one.
-            moved = [s for _, s in old.outgoing if s is not None]
-            old.outgoing = deque(item for item in old.outgoing if item[1] is None)
+            moved = old.takeQueued()
             old.registered = False
             old.send(encode({"op": "replaced"}))
             old.closeWhenFlushed = True
@@ -585,23 +639,38 @@ class Dispatcher:
 
     def connectionAccepted(self, conn: socket.socket, client: tuple[str, int], server: tuple[str, int]) -> None:
         """Hand ``conn`` to its owner's service, or refuse it; no byte of it is read here."""
+        self.connectionsAccepted([(conn, client, server)])
+
+    def connectionsAccepted(self, accepted: Sequence[tuple[socket.socket, tuple[str, int], tuple[str, int]]]) -> None:
+        """``connectionAccepted`` for one readiness event's connections, (conn, client, server) each.
+
+        Their owners are asked of the kernel together, and each service's
+        share leaves in one message once all are sorted."""
         try:
-            uid = self.owners.ownerOf(client, server)
+            uids = self.owners.ownersOf([(client, server) for _, client, server in accepted])
         except Exception as e:
-            log.warn("cannot tell who owns {client}: {e}; closed", client=_showAddress(client), e=e)
-            uid = None
-        if uid is None:
-            self.unknownPeers += 1
-            log.warn("no socket of {client} in the kernel's socket table; closed", client=_showAddress(client))
-            conn.close()
-            return
-        registration = self.registrations.get(uid)
-        if registration is not None and registration.handOff(conn):
-            self.handedOff += 1
-            return
-        if registration is not None:
-            log.warn("uid {uid}'s service is not taking connections ({n} queued)", uid=uid, n=registration.queued)
-        self.refuse(conn, uid)
+            for _, client, _ in accepted:
+                log.warn("cannot tell who owns {client}: {e}; closed", client=_showAddress(client), e=e)
+            uids = [None] * len(accepted)
+        due: list[Client] = []
+        for (conn, client, _), uid in zip(accepted, uids, strict=True):
+            if uid is None:
+                self.unknownPeers += 1
+                log.warn("no socket of {client} in the kernel's socket table; closed", client=_showAddress(client))
+                conn.close()
+                continue
+            registration = self.registrations.get(uid)
+            if registration is not None and registration.handOff(conn, now=False):
+                self.handedOff += 1
+                if not registration.flushDue:
+                    registration.flushDue = True
+                    due.append(registration)
+                continue
+            if registration is not None:
+                log.warn("uid {uid}'s service is not taking connections ({n} queued)", uid=uid, n=registration.queued)
+            self.refuse(conn, uid)
+        for registration in due:
+            registration.flush()
 
     def refuse(self, conn: socket.socket, uid: int | None) -> None:
         if uid is not None:
@@ -641,11 +710,15 @@ class Dispatcher:
 # --------------------------------------------------------------------------- listening sockets
 
 
+#: What a listener does with one readiness event's accepted (socket, address) pairs.
+Accepted = Callable[[list[tuple[socket.socket, Any]]], None]
+
+
 @implementer(IReadDescriptor)
 class _Acceptor:
-    """A listening socket in the reactor; each accepted socket goes to ``accepted``."""
+    """A listening socket in the reactor; what each readiness event accepts goes to ``accepted``."""
 
-    def __init__(self, sock: socket.socket, accepted: Callable[[socket.socket, Any], None]) -> None:
+    def __init__(self, sock: socket.socket, accepted: Accepted) -> None:
         self.sock = sock
         self.accepted = accepted
         sock.setblocking(False)
@@ -657,18 +730,21 @@ class _Acceptor:
         return "dispatch-listener"
 
     def doRead(self) -> None:
+        batch: list[tuple[socket.socket, Any]] = []
+        accept = self.sock.accept
         for _ in range(ACCEPT_BATCH):
             try:
-                conn, address = self.sock.accept()
+                batch.append(accept())
             except BlockingIOError:
-                return
+                break
             except OSError as e:
                 if e.errno in (errno.ECONNABORTED, errno.EPROTO):
                     continue
                 # Out of descriptors or memory: say so, and try at the next event.
                 log.error("accept on {where} failed: {e}", where=self.sock.getsockname(), e=e.strerror or e)
-                return
-            self.accepted(conn, address)
+                break
+        if batch:
+            self.accepted(batch)
 
     def connectionLost(self, reason: Failure) -> None:
         pass
@@ -677,7 +753,7 @@ class _Acceptor:
 class ListeningService(Service):
     """One listening socket, read by the reactor while the service runs."""
 
-    def __init__(self, reactor: Any, sock: socket.socket, accepted: Callable[[socket.socket, Any], None], cleanup: str | None = None) -> None:
+    def __init__(self, reactor: Any, sock: socket.socket, accepted: Accepted, cleanup: str | None = None) -> None:
         self.reactor = reactor
         self.acceptor = _Acceptor(sock, accepted)
         #: A socket file this service created and removes when it stops.
@@ -720,16 +796,21 @@ class DispatchService(MultiService):
             self.dispatcher.ports.append(_showAddress(local))
             ListeningService(reactor, sock, self._tcpAccepted(local)).setServiceParent(self)
         for sock in registration:
-            ListeningService(reactor, sock, lambda conn, _: self.dispatcher.clientConnected(conn), createdSocket).setServiceParent(self)
+            ListeningService(reactor, sock, self._clientsAccepted, createdSocket).setServiceParent(self)
 
-    def _tcpAccepted(self, local: tuple[str, int]) -> Callable[[socket.socket, Any], None]:
+    def _clientsAccepted(self, batch: list[tuple[socket.socket, Any]]) -> None:
+        for conn, _ in batch:
+            self.dispatcher.clientConnected(conn)
+
+    def _tcpAccepted(self, local: tuple[str, int]) -> Accepted:
         # A listener bound to one address gives every connection that address;
         # a wildcard one (a socket unit's choice) needs getsockname per connection.
         wildcard = local[0] in ("0.0.0.0", "::")
 
-        def accepted(conn: socket.socket, address: Any) -> None:
-            server = _address(conn.getsockname()) if wildcard else local
-            self.dispatcher.connectionAccepted(conn, _address(address), server)
+        def accepted(batch: list[tuple[socket.socket, Any]]) -> None:
+            self.dispatcher.connectionsAccepted(
+                [(conn, _address(address), _address(conn.getsockname()) if wildcard else local) for conn, address in batch]
+            )
 
         return accepted
 

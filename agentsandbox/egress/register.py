@@ -3,10 +3,12 @@
 When the system dispatcher's registration socket exists, a user's service
 connects to it instead of binding the proxy port.  The dispatcher sends each
 connection whose client socket belongs to this user as a file descriptor
-(``SCM_RIGHTS``, one per ``{"op": "conn"}`` line; the wire is ``dispatch.py``'s);
+(``SCM_RIGHTS``, one per ``{"op": "conn"}`` line, the connections of one of the
+dispatcher's readiness events in one message; the wire is ``dispatch.py``'s);
 each one is adopted into the same ``EgressProxyFactory`` a bound port would
-feed (``IReactorSocket.adoptStreamConnection``), so the front door runs its own
-same-user peer check on it exactly as on a connection it accepted itself.
+feed (as ``IReactorSocket.adoptStreamConnection`` would, without its ``dup``),
+so the front door runs its own same-user peer check on it exactly as on a
+connection it accepted itself.
 
 A lost registration (the dispatcher stopped or restarted) is retried with a
 backoff capped at ``MAX_BACKOFF``; a *replaced* one (another service of this
@@ -23,13 +25,21 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import Service
+from twisted.internet import tcp
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IFileDescriptorReceiver
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from agentsandbox.egress.dispatch import LineReader, WireError, encode, peerCredentials
+from agentsandbox.egress.dispatch import (
+    FDS_PER_MESSAGE,
+    LineReader,
+    WireError,
+    encode,
+    peerCredentials,
+)
 
 log = Logger(namespace="agentsandbox.egress")
 
@@ -84,8 +94,10 @@ class _RegistrationProtocol(Protocol):
                 self.owner.replaced()
             elif op == "error":
                 log.error("the dispatcher refused this service: {why}", why=str(message.get("error"))[:300])
-        # A descriptor with no line is the dispatcher's mistake; not adopted.
-        while len(self.descriptors) > 16:
+        # Descriptors arrive with the first byte of their message, so a message
+        # cut short leaves at most one message's worth waiting for their lines;
+        # more than that is the dispatcher's mistake, and not adopted.
+        while len(self.descriptors) > FDS_PER_MESSAGE:
             os.close(self.descriptors.popleft())
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
@@ -211,22 +223,22 @@ class DispatchRegistration(Service):
     def adopt(self, descriptor: int) -> None:
         """One connection from the dispatcher, into the proxy factory (the peer check runs there)."""
         try:
+            # Asks the kernel the descriptor's family, type and protocol.
             sock = socket.socket(fileno=descriptor)
         except OSError as e:
             os.close(descriptor)
             log.error("the dispatcher sent a descriptor that is not a socket: {e}", e=e)
             return
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            log.error("the dispatcher sent a socket that is not TCP ({family}); closed", family=sock.family)
+            sock.close()
+            return
         try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                log.error("the dispatcher sent a socket that is not TCP ({family}); closed", family=sock.family)
-                return
-            # adoptStreamConnection takes a duplicate; ours is closed below.
-            self.reactor.adoptStreamConnection(sock.fileno(), sock.family, self.factory)
+            _serveAdopted(sock, self.factory, self.reactor)
             self.adopted += 1
         except OSError as e:
-            log.warn("a connection from the dispatcher could not be adopted: {e}", e=e)
-        finally:
             sock.close()
+            log.warn("a connection from the dispatcher could not be adopted: {e}", e=e)
 
     # ------------------------------------------------------------------ status
 
@@ -241,3 +253,27 @@ class DispatchRegistration(Service):
             "registrations": self.registrations,
             "lastError": self.lastError,
         }
+
+
+def _serveAdopted(sock: socket.socket, factory: Any, reactor: Any) -> None:
+    """``sock`` (a connected TCP socket) served by ``factory``, as
+    ``IReactorSocket.adoptStreamConnection`` would serve its descriptor.
+
+    That call duplicates the descriptor and wraps the copy, so each adopted
+    connection would cost a ``dup``, a second socket object and a ``close``
+    of ours; this is the same construction (Twisted's
+    ``tcp.Server._fromConnectedSocket``, unchanged from 22.4 to now) on the
+    socket we already hold.
+    """
+    addressType = IPv6Address if sock.family == socket.AF_INET6 else IPv4Address
+    # Twisted's form of the address (an IPv6 one keeps its scope).
+    peer = tcp._getpeername(sock)
+    protocol = factory.buildProtocol(addressType("TCP", *peer))
+    if protocol is None:
+        sock.close()
+        return
+    # Server's own __init__ makes it non-blocking, as it does an accepted socket.
+    # No Port: Twisted's own adoption passes none either.
+    transport = tcp.Server(sock, protocol, peer, None, peer[1], reactor)  # type: ignore[arg-type]
+    transport.repstr = f"<{protocol.__class__.__name__} #{transport.sessionno} adopted from the dispatcher>"
+    protocol.makeConnection(transport)
