@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
-from zope.interface import Interface
+from zope.interface import Attribute, Interface
 
 from agentsandbox.egress.rules import IPAddress
 
@@ -44,4 +44,18 @@ class ITerminator(Interface):
         is 443); ``addresses`` are the checked addresses the upstream may be
         dialled at, in order.  The proxy calls ``makeConnection`` with the
         client's transport and then feeds it every byte the client sends.
+        When it provides ``ICountedTunnel``, the tunnel's audit record carries
+        its counts.
         """
+
+
+class ICountedTunnel(Interface):
+    """A terminated tunnel's byte counts, read for its audit record when it closes.
+
+    The protocol ``ITerminator.terminate`` returns may provide it (the
+    injector's does); the record then says how many bytes went each way on the
+    client's connection, else it leaves them out.
+    """
+
+    received = Attribute("Bytes received from the client so far, as they arrived (TLS records included).")
+    sent = Attribute("Bytes written to the client so far, likewise.")
