@@ -29,6 +29,14 @@ What it owns:
 * ``HOP_BY_HOP`` and ``forwardedLines``: the one table of fields that never
   cross a proxy, and the field lines a head passes on (also dropping every
   ``Proxy-*`` field and those its ``Connection`` names, never the framing).
+* The framers, one per direction of a connection: ``RequestFramer`` (a
+  server's reader: one request at a time, the next held until ``next``) and
+  ``ResponseFramer`` (a client's reader: each response read once ``expect``
+  says what it answers, a ``101`` only to the protocol asked for, bytes
+  nobody asked for refused).  They own each message's framing state and the
+  one body loop, and hand back parts (``Started``, body bytes, ``END``,
+  ``SWITCHED``, a last ``Refused``) for the protocol above to act on; the
+  terminated path (``inject.py``) sits on them.
 
 Nothing here does IO, logs, or knows which path it serves.
 """

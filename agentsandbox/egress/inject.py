@@ -27,9 +27,30 @@ rule, hands the client's connection to ``Injector.terminate``.  From there:
    push never sits in memory.  A response that lies about its length cuts the
    client's connection; bytes nobody asked for end the upstream connection.
 
-The per-request path is deliberately lean (one parse per head, one write per
-direction per pass, no per-event state machine): issue 4 asks for 20 times
-mitmproxy's keep-alive rate, see ``bench/inject.py``.
+What it owns, in layers (magic-wormhole's dilation layers it so: framer below
+protocol):
+
+* ``Injector``: the routes and CA in force, ``terminate`` (the proxy's
+  ``ITerminator``), and the per-host pool of idle upstream connections, which
+  the protocols reach only through ``IUpstreamPool`` (``acquire``,
+  ``release``, ``forget``, ``injected``).
+* ``_Tunnel``, the client's side: the terminated path's policy for each
+  request head (version, method, target, ``Host``, the header set and the
+  ones removed), the one ``_Exchange`` record of the request in flight (made
+  per request, dropped when both ends are done), pairing with one upstream
+  and the back-pressure between the two.
+* ``_Upstream``, one verified TLS connection: handshake deadline, idle timer,
+  whether it can be reused.
+* Below both, ``http11.RequestFramer`` and ``http11.ResponseFramer`` own each
+  message's framing state (where a head ends, the body framer, whether the
+  connection carries another message, the switch to websocket); the
+  protocols act on the parts they hand back.  The two protocols talk only
+  through explicit methods (``expect``/``send``/``pair``/``unpair`` one way,
+  ``fromUpstream``/``upstreamLost`` the other).
+
+The per-request path stays lean (one parse per head, one write per direction
+per pass): issue 4 asks for 20 times mitmproxy's keep-alive rate, see
+``bench/inject.py``.
 
 Nothing here logs a header, a body or a token.
 """

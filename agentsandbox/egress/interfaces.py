@@ -4,7 +4,9 @@ The front door (proxy.py) decides; it resolves names once through an
 ``IResolver``, checks every address, and then either splices an opaque tunnel to
 a checked address through a ``Dialer``, or hands the client's connection to an
 ``ITerminator`` when the host has an inject rule and the port is 443.  Tests
-inject all three, so no config key can point the proxy somewhere else.
+inject all three, so no config key can point the proxy somewhere else.  A
+terminated tunnel's byte counts reach the audit record through
+``ICountedTunnel``.
 """
 
 from __future__ import annotations

@@ -34,8 +34,10 @@ What ``TLSStream`` is, and what it deliberately is not:
   it with ``ConnectionLost``: the data may be cut short (a close-delimited
   HTTP body is then not complete), and the wrapped protocol can tell.
 
-Ciphertext goes out through ``WriteThrough`` (below): sent at once when
-nothing is queued before it.
+What it owns besides: ``WriteThrough`` (ciphertext goes out through it, sent at
+once when nothing is queued before it) and the byte counts of the connection
+below (``received``, ``sent``; ``interfaces.ICountedTunnel``), which the
+proxy's audit record of a terminated tunnel reads.
 """
 
 from __future__ import annotations
