@@ -536,6 +536,9 @@ class _Framer:
     def feed(self, data: bytes) -> list[Part]:
         """The parts ``data`` completes, with what was held before it."""
         state = self._state
+        if state == _HEAD:
+            self._buf += data
+            return self._read([])
         if state == _BODY and not self._buf:
             body = self._body
             if not isinstance(body, ChunkedBody):

@@ -464,15 +464,12 @@ class _Tunnel(Protocol):
                 self._refuse(last.status, last.text)
                 return
             out: list[bytes] = []
-            ended = False
+            ended = last is END  # (the framer waits after an END: it is always last)
             try:
                 for part in parts:
                     if part.__class__ is bytes:
                         out.append(part)
-                    elif part is END:
-                        ended = True
-                    else:
-                        assert isinstance(part, Started)
+                    elif part.__class__ is Started:
                         out.append(self._startRequest(part))
             except Refused as e:
                 self._refuse(e.status, e.text)
@@ -686,12 +683,12 @@ class _Tunnel(Protocol):
         for part in parts:
             if part.__class__ is bytes:
                 out.append(part)
+            elif part.__class__ is Started:
+                out.append(self._responseHead(part, exchange))
             elif part is END:
                 ended = True
             elif part is SWITCHED:
                 switched = True
-            elif isinstance(part, Started):
-                out.append(self._responseHead(part, exchange))
         if out:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
         if switched:
