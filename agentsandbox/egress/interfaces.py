@@ -3,10 +3,12 @@
 The front door (proxy.py) decides; it resolves names once through an
 ``IResolver``, checks every address, and then either splices an opaque tunnel to
 a checked address through a ``Dialer``, or hands the client's connection to an
-``ITerminator`` when the host has an inject rule and the port is 443.  Tests
-inject all three, so no config key can point the proxy somewhere else.  A
-terminated tunnel's byte counts reach the audit record through
-``ICountedTunnel``.
+``ITerminator`` when the terminator says it ``injects`` the host and port (an
+inject rule, port 443).  That one question is the only answer to "is this host
+terminated?": the proxy asks it at the moment it decides, and ``check host``
+asks the same object the service would build.  Tests inject all three, so no
+config key can point the proxy somewhere else.  A terminated tunnel's byte
+counts reach the audit record through ``ICountedTunnel``.
 """
 
 from __future__ import annotations
@@ -39,11 +41,19 @@ class IResolver(Interface):
 class ITerminator(Interface):
     """Serves a granted tunnel to an injected host with our own TLS."""
 
+    def injects(host: str, port: int) -> bool:
+        """Whether a granted tunnel to ``host:port`` goes to ``terminate``.
+
+        ``host`` is the canonical tunnel host.  The answer follows reloads (the
+        routes in force now); a caller that gets True calls ``terminate`` for
+        that host before it returns to the reactor, so both see the same routes.
+        """
+
     def terminate(host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         """A fresh protocol for the client side of a granted tunnel.
 
-        ``host`` is the canonical tunnel host (it has an inject rule; the port
-        is 443); ``addresses`` are the checked addresses the upstream may be
+        ``host`` is the canonical tunnel host, one ``injects`` just said yes
+        to; ``addresses`` are the checked addresses the upstream may be
         dialled at, in order.  The proxy calls ``makeConnection`` with the
         client's transport and then feeds it every byte the client sends.
         When it provides ``ICountedTunnel``, the tunnel's audit record carries
