@@ -48,7 +48,7 @@ protocol):
   message's framing state (where a head ends, the body framer, whether the
   connection carries another message, the switch to websocket); the
   protocols act on the parts they hand back.  The two protocols talk only
-  through explicit methods (``expect``/``send``/``pair``/``unpair`` one way,
+  through explicit methods (``sendRequest``/``send``/``pair``/``unpair`` one way,
   ``fromUpstream``/``upstreamLost`` the other).
 
 The per-request path stays lean (one parse per head, one write per direction
@@ -550,10 +550,9 @@ class _Tunnel(Protocol):
             lines += (route.headerPrefix, injected, b"\r\n")
             self._pool.injected()
         lines.append(b"\r\n")
+        # (The upstream held is reusable here: _exchangeDone drops one that is
+        # not, and fromUpstream one that refused bytes between exchanges.)
         self._exchange = _Exchange(method, upgrading, self._requests.closing)
-        upstream = self._upstream
-        if upstream is not None and not upstream.reusable():
-            self._dropUpstream()
         return b"".join(lines)
 
     def _originForm(self, target: bytes) -> bytes | None:
@@ -642,10 +641,11 @@ class _Tunnel(Protocol):
         assert exchange is not None
         upstream = self._upstream
         if upstream is not None:
-            if not exchange.forwarded:
+            if exchange.forwarded:
+                upstream.send(data)
+            else:
                 exchange.forwarded = True
-                upstream.expect(exchange.method, exchange.upgrade)
-            upstream.send(data)
+                upstream.sendRequest(exchange.method, exchange.upgrade, data)
             return
         if exchange.forwarded:
             # The upstream went away after answering; the rest of this
@@ -687,6 +687,9 @@ class _Tunnel(Protocol):
                 for part in parts:
                     if part.__class__ is bytes:
                         self.transport.write(part)  # type: ignore[union-attr]
+            elif isinstance(parts[-1], Refused):
+                # Bytes between exchanges: that connection carries no next request.
+                self._dropUpstream()
             return
         out: list[bytes] = []
         ended = switched = False
@@ -846,12 +849,14 @@ class _Upstream(Protocol):
         """Connected, answered everything asked, and not told to close."""
         return self._connected and not self._lost and self._responses.reusable
 
-    def expect(self, method: bytes, upgrade: bytes | None) -> None:
-        """A request head goes out next: its response is what to read."""
+    def sendRequest(self, method: bytes, upgrade: bytes | None, data: bytes) -> None:
+        """The start of a request (its head first) of ``method``, asking to switch
+        to ``upgrade``, for the host: its response is what to read next."""
         self._responses.expect(method, upgrade)
+        self.transport.write(data)  # type: ignore[union-attr]
 
     def send(self, data: bytes) -> None:
-        """Request bytes (or, once switched, the other protocol's) for the host."""
+        """More of the request (or, once switched, the other protocol's bytes) for the host."""
         self.transport.write(data)  # type: ignore[union-attr]
 
     def enterIdle(self, timeout: float) -> None:
