@@ -5,12 +5,12 @@ module holds the other two readers of HTTP/1.1 to it, with the same generated
 streams (valid and near-valid), the same h11 readings and the same rule:
 never more permissive than h11, never a message framed differently.
 
-* ``http11`` directly: a request stream read with ``takeRequestHead``,
-  ``oneHost`` and ``requestBody``, a response stream with
-  ``takeResponseHead`` and ``responseBody``, with none of either path's own
-  policy (HTTP/1.0, TRACE, any target, any header pass here).  Whenever
-  ``http11`` reads a message, h11 read the same one: start line, every field
-  as h11 reports it, body bytes and the byte where it ends.
+* ``http11`` directly: a request stream read with its ``RequestFramer`` (and
+  ``oneHost``), a response stream with its ``ResponseFramer``, the framers the
+  terminated path's protocols sit on, with none of either path's own policy
+  (HTTP/1.0, TRACE, any target, any header pass here).  Whenever ``http11``
+  reads a message, h11 read the same one: start line, every field as h11
+  reports it, body bytes and the byte where it ends.
 * the plain ``http://`` forward path (``egress/http.py``) through the real
   front door on in-memory transports, each forwarded request on an upstream
   connection of its own.  What it sends the origin is read back with h11 (it
@@ -47,16 +47,15 @@ from zope.interface import implementer
 
 from agentsandbox.egress.http import HTTPHandler
 from agentsandbox.egress.http11 import (
-    ChunkedBody,
+    CHUNKED,
+    END,
     Head,
+    Part,
     Refused,
-    UntilClose,
-    connectionTokens,
+    RequestFramer,
+    ResponseFramer,
+    Started,
     oneHost,
-    requestBody,
-    responseBody,
-    takeRequestHead,
-    takeResponseHead,
 )
 from agentsandbox.egress.proxy import EgressProxyFactory
 from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
@@ -96,7 +95,7 @@ class Reading:
 
 
 def _payload(out: list[bytes], chunked: bool) -> bytes:
-    """The body bytes of what a framer put out (a ChunkedBody re-frames: undo it)."""
+    """The body bytes of what a framer put out (a chunked body is re-framed: undo it)."""
     if not chunked:
         return b"".join(out)
     data = b""
@@ -109,41 +108,58 @@ def _payload(out: list[bytes], chunked: bool) -> bytes:
     return data
 
 
+class _Taking:
+    """Collects a framer's parts into ``Read`` messages, noting where each ends."""
+
+    def __init__(self, reading: Reading) -> None:
+        self.reading = reading
+        self.current: Read | None = None
+        self.chunked = False
+
+    def take(self, parts: list[Part], offset: int) -> bool:
+        """Take ``parts``, the stream read up to ``offset``; False once refused."""
+        for part in parts:
+            if isinstance(part, Refused):
+                self.reading.refused = f"{part.status} {part.why}"
+                return False
+            if isinstance(part, Started):
+                if part.informational:
+                    self.reading.informational.append(part.head)
+                    continue
+                self.current = Read(part.head)
+                self.reading.messages.append(self.current)
+                self.chunked = part.framing is CHUNKED
+            elif part is END:
+                assert self.current is not None
+                self.current.end = offset
+            elif isinstance(part, bytes):
+                assert self.current is not None
+                self.current.body += _payload([part], self.chunked)
+        return True
+
+
 def http11Requests(pieces: list[bytes]) -> Reading:
-    """``pieces`` read as a server reads requests, with http11 only.  Like h11,
-    it reads no further than a message after which the connection must close
-    (``Connection: close``, HTTP/1.0)."""
+    """``pieces`` read as a server reads requests, with http11's ``RequestFramer``
+    only (and ``oneHost``, which both paths ask).  Like h11, it reads no further
+    than a message after which the connection must close (``Connection: close``,
+    HTTP/1.0)."""
     reading = Reading([])
-    buf = bytearray()
+    framer = RequestFramer()
+    taking = _Taking(reading)
     fed = 0
-    current: Read | None = None
-    body: Any = None
     try:
         for piece in pieces:
-            buf += piece
             fed += len(piece)
+            parts = framer.feed(piece)
             while True:
-                if current is None:
-                    last = reading.messages[-1].head if reading.messages else None
-                    if last is not None and (last.minor == 0 or b"close" in connectionTokens(last.fields)):
-                        break
-                    head = takeRequestHead(buf)
-                    if head is None:
-                        break
-                    oneHost(head)
-                    current = Read(head)
-                    reading.messages.append(current)
-                    body = requestBody(head)
-                else:
-                    out: list[bytes] = []
-                    body.feed(buf, out)
-                    current.body += _payload(out, isinstance(body, ChunkedBody))
-                    if not body.done:
-                        break
-                    body = None
-                if body is None:
-                    current.end = fed - len(buf)
-                    current = None
+                for part in parts:
+                    if isinstance(part, Started):
+                        oneHost(part.head)
+                if not taking.take(parts, fed - framer.buffered):
+                    return reading
+                if not framer.waiting or framer.closing:
+                    break
+                parts = framer.next()
     except Refused as e:
         reading.refused = f"{e.status} {e.why}"
     return reading
@@ -151,44 +167,21 @@ def http11Requests(pieces: list[bytes]) -> Reading:
 
 def http11Response(method: bytes, pieces: list[bytes], eof: bool) -> Reading:
     """``pieces`` (then EOF when ``eof``) read as the client of a ``method``
-    request reads its response, with http11 only."""
+    request reads its response, with http11's ``ResponseFramer`` only.  Neither
+    path asks to switch protocols here, so the framer refuses a 101."""
     reading = Reading([])
-    buf = bytearray()
+    framer = ResponseFramer()
+    framer.expect(method)
+    taking = _Taking(reading)
     fed = 0
-    body: Any = None
-    current: Read | None = None
-    try:
-        for piece in pieces:
-            buf += piece
-            fed += len(piece)
-            while buf and (current is None or current.end is None):
-                if current is None:
-                    head = takeResponseHead(buf)
-                    if head is None:
-                        break
-                    if head.start[0][:1] == b"1":
-                        if head.start[0] == b"101":
-                            # Neither path asks to switch here: both refuse a 101.
-                            raise Refused(502, "switched protocols without being asked to")
-                        reading.informational.append(head)
-                        continue
-                    current = Read(head)
-                    reading.messages.append(current)
-                    body = responseBody(head, method)
-                else:
-                    out: list[bytes] = []
-                    body.feed(buf, out)
-                    current.body += _payload(out, isinstance(body, ChunkedBody))
-                    if not body.done:
-                        break
-                    body = None
-                if body is None:
-                    current.end = fed - len(buf)
-    except Refused as e:
-        reading.refused = f"{e.status} {e.why}"
-        return reading
-    if eof and current is not None and current.end is None and isinstance(body, UntilClose):
-        current.end = fed
+    for piece in pieces:
+        fed += len(piece)
+        if not taking.take(framer.feed(piece), fed - framer.buffered):
+            return reading
+        if reading.messages and reading.messages[0].end is not None:
+            return reading  # what follows is not asked for: neither reader reads it
+    if eof:
+        taking.take(framer.closed(True), fed)
     return reading
 
 

@@ -64,10 +64,12 @@ from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
 
 from agentsandbox.config import EnvSource, InjectRule
-from agentsandbox.egress.http11 import MAX_HEAD
-from agentsandbox.egress.inject import Route, _Tunnel, _Upstream
+from agentsandbox.egress.http11 import END, MAX_HEAD, Part, Started
+from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
@@ -132,6 +134,7 @@ class _Token:
         return TOKEN
 
 
+@implementer(IUpstreamPool)
 class _MemoryInjector:
     """What ``_Tunnel`` and ``_Upstream`` ask of their ``Injector``, with each
     upstream connection on a ``StringTransport`` instead of verified TLS."""
@@ -141,30 +144,40 @@ class _MemoryInjector:
     handshakeTimeout = 30.0
 
     def __init__(self) -> None:
-        self._reactor = Clock()
+        self.clock = Clock()
         self.injectedRequests = 0
         self.upstreams: list[_Upstream] = []
 
-    def _acquire(self, host: str, addresses: tuple[Any, ...]) -> defer.Deferred[_Upstream]:
-        upstream = _Upstream(self, host, addresses[0])  # type: ignore[arg-type]
+    def injected(self) -> None:
+        self.injectedRequests += 1
+
+    def acquire(self, host: str, addresses: tuple[Any, ...]) -> defer.Deferred[_Upstream]:
+        upstream = _Upstream(self, host, addresses[0], self.clock)
         upstream.makeConnection(StringTransport())
         upstream.handshakeCompleted()
         self.upstreams.append(upstream)
         return defer.succeed(upstream)
 
-    def _release(self, upstream: _Upstream) -> None:
+    def release(self, upstream: _Upstream) -> None:
         upstream.close()
 
-    def _forget(self, upstream: _Upstream) -> None:
+    def forget(self, upstream: _Upstream) -> None:
         pass
 
 
 def _terminated() -> tuple[_MemoryInjector, _Tunnel, StringTransport]:
     injector = _MemoryInjector()
-    tunnel = _Tunnel(injector, Route(HOST, RULE, _Token()), (ADDRESS,))  # type: ignore[arg-type]
+    verifyObject(IUpstreamPool, injector)
+    tunnel = _Tunnel(injector, Route(HOST, RULE, _Token()), (ADDRESS,), injector.clock)
     client = StringTransport()
     tunnel.makeConnection(client)
     return injector, tunnel, client
+
+
+def _awaitsItsAnswer(tunnel: _Tunnel) -> bool:
+    """A request fully forwarded, its response not yet all read."""
+    exchange = tunnel._exchange
+    return exchange is not None and exchange.requestDone and not exchange.responseDone
 
 
 @dataclass
@@ -195,9 +208,9 @@ def oursOnRequests(pieces: list[bytes]) -> OursOnRequests:
     ends: list[int] = []
     # A request fully forwarded and waiting for its answer: the injector reads
     # nothing past it until then, so what it holds starts the next request.
-    while not client.disconnecting and tunnel._requestDone and not tunnel._responseDone:
+    while not client.disconnecting and _awaitsItsAnswer(tunnel):
         assert len(injector.upstreams) == 1
-        ends.append(total - len(tunnel._buf))
+        ends.append(total - tunnel._requests.buffered)
         injector.upstreams[0].dataReceived(NEXT_PLEASE)
     assert len(injector.upstreams) <= 1, "one client connection holds one upstream connection"
     sent = injector.upstreams[0].transport.value() if injector.upstreams else b""  # type: ignore[union-attr]
@@ -229,12 +242,12 @@ def oursOnResponse(method: bytes, pieces: list[bytes], eof: bool) -> OursOnRespo
     ends: list[int] = []
     original = tunnel.fromUpstream
 
-    def fromUpstream(data: bytes, started: bool, ended: bool) -> None:
-        if started:
+    def fromUpstream(parts: list[Part]) -> None:
+        if any(isinstance(p, Started) and not p.informational for p in parts):
             starts.append(True)
-        if ended:
-            ends.append(fed - len(upstream._buf))
-        original(data, started, ended)
+        if END in parts:
+            ends.append(fed - upstream._responses.buffered)
+        original(parts)
 
     tunnel.fromUpstream = fromUpstream  # type: ignore[method-assign]
     for piece in pieces:

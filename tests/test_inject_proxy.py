@@ -8,13 +8,14 @@ upstream trust.  No config key points anything at the fake.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 from typing import Any, ClassVar
 
-from twisted.internet import defer, reactor
+from twisted.internet import defer, reactor, task
 from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.utils import getProcessOutputAndValue
@@ -111,6 +112,25 @@ class ThroughTheProxy(unittest.TestCase):
         self.assertEqual(code, 0, err)
         self.assertIn(b"octocat", out)
         self.assertEqual(self.h.fake.seen[-1].authorization, [f"token {TOKEN}"])
+
+    @defer.inlineCallbacks
+    def test_theTerminatedTunnelsRecordCountsBothWays(self) -> Any:
+        out, err, code = yield self.client("/usr/bin/curl", "-sS", "https://api.github.com/user")
+        self.assertEqual(code, 0, err)
+        self.assertIn(b"octocat", out)
+        records: list[dict[str, Any]] = []
+        for _ in range(200):  # the record is written when the proxy sees the close (bounded, not timed)
+            if os.path.exists(self.proxy.auditPath):
+                with open(self.proxy.auditPath, "rb") as f:
+                    records = [json.loads(line) for line in f if line.strip()]
+            if any(r.get("via") == "inject" for r in records):
+                break
+            yield task.deferLater(reactor, 0.05, lambda: None)
+        [tunnel] = [r for r in records if r.get("event") == "tunnel" and r.get("via") == "inject"]
+        self.assertEqual((tunnel["host"], tunnel["port"]), ("api.github.com", 443))
+        # TLS both ways: a ClientHello and a request up, a certificate and a response down.
+        self.assertGreater(tunnel["up"], len(b"GET /user HTTP/1.1\r\n"))
+        self.assertGreater(tunnel["down"], len(out))
 
     @defer.inlineCallbacks
     def test_aHostWithoutARuleStaysAnOpaqueTunnel(self) -> Any:

@@ -29,6 +29,14 @@ What it owns:
 * ``HOP_BY_HOP`` and ``forwardedLines``: the one table of fields that never
   cross a proxy, and the field lines a head passes on (also dropping every
   ``Proxy-*`` field and those its ``Connection`` names, never the framing).
+* The framers, one per direction of a connection: ``RequestFramer`` (a
+  server's reader: one request at a time, the next held until ``next``) and
+  ``ResponseFramer`` (a client's reader: each response read once ``expect``
+  says what it answers, a ``101`` only to the protocol asked for, bytes
+  nobody asked for refused).  They own each message's framing state and the
+  one body loop, and hand back parts (``Started``, body bytes, ``END``,
+  ``SWITCHED``, a last ``Refused``) for the protocol above to act on; the
+  terminated path (``inject.py``) sits on them.
 
 Nothing here does IO, logs, or knows which path it serves.
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 #: Largest message head accepted, either direction.
 MAX_HEAD = 64 * 1024
@@ -78,6 +87,12 @@ _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Whitespace may follow the size or the extensions, never come between them:
 # h11 refuses "5 ;ext" and this parser accepts nothing h11 refuses.
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[\t \x21-\x7e\x80-\xff]*|[\t ]*)")
+
+
+class Out(Protocol):
+    """Where a body framer appends the bytes it passes on (a list of bytes, or of a framer's parts)."""
+
+    def append(self, item: bytes, /) -> None: ...
 
 
 class Refused(Exception):
@@ -276,7 +291,7 @@ class LengthBody:
         """Body bytes passed so far."""
         return self.length - self.left
 
-    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+    def feed(self, buf: bytearray, out: Out) -> None:
         """Take what ``buf`` holds of the body (deleting it), appending it to ``out``."""
         take = min(self.left, len(buf))
         out.append(bytes(buf[:take]))
@@ -303,7 +318,7 @@ class UntilClose:
     def __init__(self) -> None:
         self.payload = 0
 
-    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+    def feed(self, buf: bytearray, out: Out) -> None:
         self.payload += len(buf)
         out.append(bytes(buf))
         buf.clear()
@@ -337,7 +352,7 @@ class ChunkedBody:
     def done(self) -> bool:
         return self._state == self._DONE
 
-    def feed(self, buf: bytearray, out: list[bytes]) -> None:
+    def feed(self, buf: bytearray, out: Out) -> None:
         """Take what ``buf`` holds of the body (deleting it), appending re-framed bytes to ``out``."""
         pos = 0
         end = len(buf)
@@ -421,3 +436,301 @@ def responseBody(head: Head, method: bytes) -> Body | None:
     if head.length is not None:
         return LengthBody(head.length) if head.length else None
     return UntilClose()
+
+
+# ---------------------------------------------------------------------- framers
+#
+# One framer per direction of a connection, below the protocol that serves it
+# (magic-wormhole's dilation layers it so: the framer knows where messages
+# begin and end, the protocol what to do with them).  A framer is fed the bytes
+# that arrive and hands back the parts they complete, in order:
+#
+# * ``Started``: a message head, with how its body is framed;
+# * ``bytes``: body bytes ready to pass on (a chunked body re-framed, every
+#   other body as it came: a read that is all body is handed back as it is,
+#   not copied);
+# * ``END``: the message ended;
+# * ``SWITCHED``: the connection switched protocols; every byte after it is the
+#   other protocol's, handed back as it comes;
+# * a ``Refused``, always last: the stream cannot be read on.  It is a part,
+#   not an exception, so that a protocol passing bytes on as they come
+#   (responses) keeps what came before it, and one passing on nothing of a
+#   read that did not all parse (requests) sees it before acting on any part.
+
+#: How a message's body is framed (``Started.framing``).
+Framing = Literal["no body", "by length", "chunked", "until close"]
+NO_BODY: Framing = "no body"
+BY_LENGTH: Framing = "by length"
+CHUNKED: Framing = "chunked"
+UNTIL_CLOSE: Framing = "until close"
+
+
+class _Marker:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: The part that ends a message.
+END = _Marker("END")
+#: The part after which the connection speaks another protocol.
+SWITCHED = _Marker("SWITCHED")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A message head a framer read, and how the body after it is framed."""
+
+    head: Head
+    framing: Framing
+    #: A 1xx response (a 101 included): the final response follows, or the switch.
+    informational: bool = False
+
+
+Part = bytes | Started | _Marker | Refused
+
+
+_FRAMING_OF: dict[type, Framing] = {
+    type(None): NO_BODY,
+    LengthBody: BY_LENGTH,
+    ChunkedBody: CHUNKED,
+    UntilClose: UNTIL_CLOSE,
+}
+
+
+# The framers' states: reading a head, a body, waiting between messages,
+# switched to another protocol, refused.
+_HEAD, _BODY, _WAIT, _SWITCHED, _BROKEN = range(5)
+
+
+class _Framer:
+    """What both directions share: the buffer, the one body loop, the fast path."""
+
+    __slots__ = ("_body", "_buf", "_state", "closing", "switched")
+
+    def __init__(self, state: int) -> None:
+        self._buf = bytearray()
+        self._body: Body | None = None
+        self._state = state
+        #: A message said the connection ends after it (HTTP/1.0,
+        #: ``Connection: close``, a body delimited by the close).
+        self.closing = False
+        #: The connection speaks another protocol: bytes pass as they come.
+        #: (An attribute, not a property: a protocol asks at every read.)
+        self.switched = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not handed out yet (the start of what comes next)."""
+        return len(self._buf)
+
+    def _switch(self) -> None:
+        self._state = _SWITCHED
+        self._body = None
+        self.switched = True
+
+    def feed(self, data: bytes) -> list[Part]:
+        """The parts ``data`` completes, with what was held before it."""
+        state = self._state
+        if state == _HEAD:
+            self._buf += data
+            return self._read([])
+        if state == _BODY and not self._buf:
+            body = self._body
+            if not isinstance(body, ChunkedBody):
+                assert body is not None
+                # Nothing held and a body passed as it came: hand back a slice.
+                part, rest = body.split(data)
+                parts: list[Part] = [part] if part else []
+                if not body.done:
+                    return parts
+                self._ended(parts)
+                if not rest:
+                    return parts
+                self._buf += rest
+                return self._read(parts)
+        if state == _SWITCHED:
+            return [data] if data else []
+        if state == _BROKEN:
+            return []
+        self._buf += data
+        return self._read([])
+
+    def _read(self, parts: list[Part]) -> list[Part]:
+        buf = self._buf
+        try:
+            while buf:
+                state = self._state
+                if state == _BODY:
+                    body = self._body
+                    assert body is not None
+                    body.feed(buf, parts)
+                    if not body.done:
+                        break  # all of it taken, or what is left is part of a chunk line
+                    parts.append(END)
+                    self._body = None
+                    self._state = _WAIT
+                elif state == _HEAD:
+                    if not self._head(buf, parts):
+                        break
+                elif state == _SWITCHED:
+                    parts.append(bytes(buf))
+                    buf.clear()
+                else:
+                    self._between(parts)
+                    break
+        except Refused as e:
+            self._state = _BROKEN
+            parts.append(e)
+        return parts
+
+    def _begin(self, head: Head, body: Body | None, parts: list[Part]) -> None:
+        """A message with ``body`` (None: none) starts; its head is ``parts``' next."""
+        framing = _FRAMING_OF[type(body)]
+        if not self.closing:
+            # HTTP/1.0 (h11 keeps no 1.0 connection alive either), a body the
+            # close delimits, or Connection: close.
+            if head.minor == 0 or framing is UNTIL_CLOSE:
+                self.closing = True
+            else:
+                for name, _ in head.fields:
+                    if name == b"connection":
+                        self.closing = b"close" in connectionTokens(head.fields)
+                        break
+        parts.append(Started(head, framing))
+        if body is None:
+            parts.append(END)
+            self._state = _WAIT
+        else:
+            self._body = body
+            self._state = _BODY
+
+    def _ended(self, parts: list[Part]) -> None:
+        parts.append(END)
+        self._body = None
+        self._state = _WAIT
+
+    def _head(self, buf: bytearray, parts: list[Part]) -> bool:
+        """Read a head from ``buf`` into ``parts``; False while it is not all there."""
+        raise NotImplementedError
+
+    def _between(self, parts: list[Part]) -> None:
+        """Bytes arrived while no message is read: held until the next one is."""
+
+
+class RequestFramer(_Framer):
+    """A server's reader of the requests on one connection.
+
+    After a request's ``END`` it waits, holding what follows, until ``next``:
+    one request is served at a time, and a pipelining client's next request is
+    read only once the current one is answered.  Requests are held to the
+    grammar and the framing only; what a path accepts (methods, targets,
+    ``Host``, versions) is the path's own.
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(_HEAD)
+
+    @property
+    def waiting(self) -> bool:
+        """A request ended and ``next`` was not called since."""
+        return self._state == _WAIT
+
+    @property
+    def ahead(self) -> int:
+        """Bytes held past a request that ended (what a pipelining client sent ahead)."""
+        return len(self._buf) if self._state == _WAIT else 0
+
+    def next(self) -> list[Part]:
+        """Read on: the parts of the next request, as far as it is held."""
+        if self._state != _WAIT:
+            return []
+        self._state = _HEAD
+        return self._read([]) if self._buf else []
+
+    def switch(self) -> bytes:
+        """Speak another protocol from now on: what is held, returned now, and
+        every byte fed after are passed as they are."""
+        self._switch()
+        held = bytes(self._buf)
+        self._buf.clear()
+        return held
+
+    def _head(self, buf: bytearray, parts: list[Part]) -> bool:
+        head = takeRequestHead(buf)
+        if head is None:
+            return False
+        self._begin(head, requestBody(head), parts)
+        return True
+
+
+class ResponseFramer(_Framer):
+    """A client's reader of the responses on one connection.
+
+    Each response is read once ``expect`` says what it answers: its request's
+    method (a HEAD's response has no body) and the protocol the request asked
+    to switch to, if any (a ``101`` is refused unless it switches to exactly
+    that one).  Bytes that arrive when no response is expected are refused:
+    nobody asked for them.
+    """
+
+    __slots__ = ("_method", "_upgrade")
+
+    def __init__(self) -> None:
+        super().__init__(_WAIT)
+        self._method = b""
+        self._upgrade: bytes | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Every response asked for was read to its end (and nothing was refused)."""
+        return self._state == _WAIT
+
+    @property
+    def reusable(self) -> bool:
+        """Idle, and no response said the connection ends after it."""
+        return self._state == _WAIT and not self.closing
+
+    def expect(self, method: bytes, upgrade: bytes | None = None) -> None:
+        """A request of ``method`` went out (asking to switch to ``upgrade``): read its response."""
+        self._method = method
+        self._upgrade = upgrade
+        self._state = _HEAD
+
+    def closed(self, clean: bool) -> list[Part]:
+        """The connection ended (``clean``: by the peer's orderly close): ``[END]``
+        when that ends a body delimited by the close, else nothing."""
+        parts: list[Part] = []
+        if clean and self._state == _BODY and isinstance(self._body, UntilClose):
+            self._ended(parts)
+        return parts
+
+    def _between(self, parts: list[Part]) -> None:
+        raise Refused(502, "answered more than it was asked")
+
+    def _head(self, buf: bytearray, parts: list[Part]) -> bool:
+        head = takeResponseHead(buf)
+        if head is None:
+            return False
+        status = head.start[0]
+        if status[0] != 0x31:  # not 1xx
+            self._begin(head, responseBody(head, self._method), parts)
+            return True
+        if status != b"101":
+            parts.append(Started(head, NO_BODY, True))  # the final response follows
+            return True
+        upgrade = self._upgrade
+        if upgrade is None:
+            raise Refused(502, "switched protocols without being asked to")
+        if [v.lower() for v in head.values(b"upgrade")] != [upgrade]:
+            raise Refused(502, f"switched to something other than {upgrade.decode('ascii', 'replace')}")
+        parts.append(Started(head, NO_BODY, True))
+        parts.append(SWITCHED)
+        self._switch()
+        return True

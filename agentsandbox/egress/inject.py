@@ -30,9 +30,30 @@ From there:
    push never sits in memory.  A response that lies about its length cuts the
    client's connection; bytes nobody asked for end the upstream connection.
 
-The per-request path is deliberately lean (one parse per head, one write per
-direction per pass, no per-event state machine): issue 4 asks for 20 times
-mitmproxy's keep-alive rate, see ``bench/inject.py``.
+What it owns, in layers (magic-wormhole's dilation layers it so: framer below
+protocol):
+
+* ``Injector``: the routes and CA in force, ``terminate`` (the proxy's
+  ``ITerminator``), and the per-host pool of idle upstream connections, which
+  the protocols reach only through ``IUpstreamPool`` (``acquire``,
+  ``release``, ``forget``, ``injected``).
+* ``_Tunnel``, the client's side: the terminated path's policy for each
+  request head (version, method, target, ``Host``, the header set and the
+  ones removed), the one ``_Exchange`` record of the request in flight (made
+  per request, dropped when both ends are done), pairing with one upstream
+  and the back-pressure between the two.
+* ``_Upstream``, one verified TLS connection: handshake deadline, idle timer,
+  whether it can be reused.
+* Below both, ``http11.RequestFramer`` and ``http11.ResponseFramer`` own each
+  message's framing state (where a head ends, the body framer, whether the
+  connection carries another message, the switch to websocket); the
+  protocols act on the parts they hand back.  The two protocols talk only
+  through explicit methods (``sendRequest``/``send``/``pair``/``unpair`` one way,
+  ``fromUpstream``/``upstreamLost`` the other).
+
+The per-request path stays lean (one parse per head, one write per direction
+per pass): issue 4 asks for 20 times mitmproxy's keep-alive rate, see
+``bench/inject.py``.
 
 Nothing here logs a header, a body or a token.
 """
@@ -58,23 +79,25 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
+from zope.interface import Attribute, Interface, implementer
 
 from agentsandbox.config import InjectRule
 from agentsandbox.egress.dial import dialInTurn
 from agentsandbox.egress.grant import RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
+    CHUNKED,
+    END,
     HOP_BY_HOP,
     ONE_HOST,
-    Body,
+    SWITCHED,
+    UNTIL_CLOSE,
+    Part,
     Refused,
-    UntilClose,
+    RequestFramer,
+    ResponseFramer,
+    Started,
     connectionTokens,
     forwardedLines,
-    requestBody,
-    responseBody,
-    takeRequestHead,
-    takeResponseHead,
 )
 from agentsandbox.egress.interfaces import Dialer, ITerminator
 from agentsandbox.egress.rules import IPAddress
@@ -153,7 +176,26 @@ def routesFor(
     return routes
 
 
-@implementer(ITerminator)
+class IUpstreamPool(Interface):
+    """What a terminated tunnel and its upstream connections ask of the injector."""
+
+    idleTimeout = Attribute("Seconds a client connection may sit between exchanges before it is closed.")
+    handshakeTimeout = Attribute("Seconds an upstream connection has for its TLS handshake.")
+
+    def injected() -> None:
+        """Count one request sent upstream with the rule's header set."""
+
+    def acquire(host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
+        """A connected upstream to ``host``, pooled or dialled, at one of ``addresses``."""
+
+    def release(upstream: _Upstream) -> None:
+        """An unpaired upstream: back to the pool when it is reusable and there is room, else closed."""
+
+    def forget(upstream: _Upstream) -> None:
+        """``upstream``'s connection ended: it leaves the pool if it is there."""
+
+
+@implementer(ITerminator, IUpstreamPool)
 class Injector:
     """Terminates tunnels to injected hosts and forwards their requests with the token.
 
@@ -220,12 +262,15 @@ class Injector:
         route = self.routes.get(host)
         if route is None or self.ca is None:
             raise KeyError(f"{host} has no inject rule")
-        tunnel = _Tunnel(self, route, tuple(addresses))
+        tunnel = _Tunnel(self, route, tuple(addresses), self._reactor)
         return TLSStream(self.ca.serverContext(host), tunnel, serverSide=True)
 
-    # ------------------------------------------------------------------ upstream pool
+    # ------------------------------------------------------------------ IUpstreamPool
 
-    def _acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
+    def injected(self) -> None:
+        self.injectedRequests += 1
+
+    def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         idle = self._idle.get(host)
         while idle:
             upstream = idle.pop()
@@ -241,7 +286,7 @@ class Injector:
         context = self._upstreamContext
 
         def streamTo(address: IPAddress) -> TLSStream:
-            upstream = _Upstream(self, host, address)
+            upstream = _Upstream(self, host, address, self._reactor)
             return TLSStream(context, upstream, serverSide=False, serverHostname=host, verify=verifyUpstream(host))
 
         def upstreamOf(tls: TLSStream) -> _Upstream:
@@ -251,7 +296,7 @@ class Injector:
 
         return dialInTurn(self._dialer, host, HTTPS_PORT, addresses, streamTo).addCallback(upstreamOf)
 
-    def _release(self, upstream: _Upstream) -> None:
+    def release(self, upstream: _Upstream) -> None:
         idle = self._idle.setdefault(upstream.host, [])
         if self.pooling and upstream.reusable() and len(idle) < self.poolSize:
             idle.append(upstream)
@@ -259,7 +304,7 @@ class Injector:
         else:
             upstream.close()
 
-    def _forget(self, upstream: _Upstream) -> None:
+    def forget(self, upstream: _Upstream) -> None:
         idle = self._idle.get(upstream.host)
         if idle and upstream in idle:
             idle.remove(upstream)
@@ -332,36 +377,51 @@ _BY_DIAL = 2  # no upstream yet
 _BY_AHEAD = 4  # a pipelining client ran ahead
 
 
+@dataclass(slots=True)
+class _Exchange:
+    """One request on a terminated tunnel and its response, while either is under way.
+
+    A tunnel holds one at a time (``_Tunnel._exchange``): made when a request
+    head is read, dropped when both ends are done or the exchange fails, so no
+    flag outlives the message it is about.
+    """
+
+    method: bytes  # the request's: what its response answers
+    upgrade: bytes | None  # the protocol it asks to switch to (only ever websocket)
+    closeAfter: bool  # the client's connection ends with this exchange
+    forwarded: bool = False  # some of the request went upstream (its head first)
+    requestDone: bool = False
+    responseStarted: bool = False  # the final response head went to the client
+    responseDone: bool = False
+
+
 class _Tunnel(Protocol):
     """The client's side: decrypted HTTP/1.1 from one terminated tunnel.
 
-    One request is in flight at a time: a pipelining client's next head waits
-    in ``_buf`` until the response to the current one is done.
+    A ``RequestFramer`` reads the client's requests; this protocol applies the
+    terminated path's policy to each head, rewrites it and forwards it and its
+    body to the paired ``_Upstream``, and writes that upstream's responses back
+    (``fromUpstream``).  One request is in flight at a time: a pipelining
+    client's next head waits in the framer until the current exchange is done.
     """
 
-    def __init__(self, injector: Injector, route: Route, addresses: tuple[IPAddress, ...]) -> None:
-        self._injector = injector
+    def __init__(
+        self, pool: IUpstreamPool, route: Route, addresses: tuple[IPAddress, ...], clock: IReactorTime
+    ) -> None:
+        self._pool = pool
         self._route = route
         self._host = route.host
         self._hostBytes = route.host.encode("ascii")
         self._addresses = addresses
-        self._clock = injector._reactor
-        self._buf = bytearray()
+        self._clock = clock
+        self._requests = RequestFramer()
+        self._exchange: _Exchange | None = None
         self._reads = _Reads()
         self._upstream: _Upstream | None = None
         self._queued: list[bytes] = []
         self._dialing = False
-        self._method: bytes | None = None  # of a head not yet handed to an upstream
-        self._forwarded = False  # some of the current request went upstream
-        self._body: Body | None = None  # the current request's, while it is read
-        self._requestDone = True
-        self._responseDone = True
-        self._responseStarted = False
-        self._closeAfter = False
-        self._upgrading = False
-        self._switched = False
-        self._closed = False
-        self._gone = False
+        self._closed = False  # we closed (or the client did): nothing more is sent
+        self._gone = False  # the client's connection is lost
         self._lastActivity = 0.0
         self._timer: IDelayedCall | None = None
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
@@ -371,12 +431,12 @@ class _Tunnel(Protocol):
     def connectionMade(self) -> None:
         self._reads.transport = self.transport
         self._lastActivity = self._clock.seconds()
-        self._timer = self._clock.callLater(self._injector.idleTimeout, self._checkIdle)
+        self._timer = self._clock.callLater(self._pool.idleTimeout, self._checkIdle)
 
     def _checkIdle(self) -> None:
         idle = self._clock.seconds() - self._lastActivity
-        timeout = self._injector.idleTimeout
-        if idle >= timeout and self._requestDone and self._responseDone:
+        timeout = self._pool.idleTimeout
+        if idle >= timeout and self._exchange is None:
             self._timer = None
             self._close()
         else:
@@ -394,51 +454,52 @@ class _Tunnel(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self._lastActivity = self._clock.seconds()
-        if self._switched:
+        if self._requests.switched:
             if self._upstream is not None:
-                self._upstream.transport.write(data)  # type: ignore[union-attr]
+                self._upstream.send(data)
             return
-        self._buf += data
-        self._parse()
+        self._take(self._requests.feed(data))
 
-    def _parse(self) -> None:
-        # Nothing of one pass over the received bytes goes upstream until all
-        # of it parsed, so a bad chunk after a good head forwards nothing; a
-        # finished request is forwarded before the next head is looked at.
-        buf = self._buf
-        out: list[bytes] = []
-        try:
-            while buf and not self._closed:
-                if not self._requestDone:
-                    body = self._body
-                    assert body is not None
-                    body.feed(buf, out)
-                    if not body.done:
-                        break  # all of it taken, or what is left is part of a chunk line
-                    self._body = None
-                    self._requestDone = True
-                    self._forward(out)
-                    out = []
-                    if not self._maybeNextCycle():
-                        break
-                    continue
-                if not self._responseDone or self._upgrading:
-                    if len(buf) > MAX_READ_AHEAD:
-                        self._reads.pause(_BY_AHEAD)
-                    break
-                if not self._startRequest(buf, out):
-                    break
-        except Refused as e:
-            self._refuse(e.status, e.text)
-            return
-        if out and not self._closed:
-            self._forward(out)
+    def _take(self, parts: list[Part]) -> None:
+        """Act on the parts of the client's stream the framer handed back.
 
-    def _startRequest(self, buf: bytearray, out: list[bytes]) -> bool:
-        """Parse the next request head from ``buf`` into ``out``; False when it is not all here."""
-        head = takeRequestHead(buf)
-        if head is None:
-            return False
+        Nothing of one pass goes upstream unless all of it parsed (the framer
+        hands a refusal back last, so it is seen first), so a bad chunk after a
+        good head forwards nothing; a finished request is forwarded before the
+        next head is read.
+        """
+        while parts and not self._closed:
+            last = parts[-1]
+            if isinstance(last, Refused):
+                self._refuse(last.status, last.text)
+                return
+            out: list[bytes] = []
+            ended = last is END  # (the framer waits after an END: it is always last)
+            try:
+                for part in parts:
+                    if part.__class__ is bytes:
+                        out.append(part)
+                    elif part.__class__ is Started:
+                        out.append(self._startRequest(part))
+            except Refused as e:
+                self._refuse(e.status, e.text)
+                return
+            if out:
+                self._forward(out)
+            exchange = self._exchange
+            if not ended or exchange is None or self._closed:
+                break  # (or the dial failed at once, and the client was answered)
+            exchange.requestDone = True
+            if not (exchange.responseDone and self._exchangeDone()):
+                break
+            parts = self._requests.next()
+        if self._requests.ahead > MAX_READ_AHEAD:
+            self._reads.pause(_BY_AHEAD)
+
+    def _startRequest(self, started: Started) -> bytes:
+        """The head to send upstream for a request head the framer read (or
+        ``Refused``); the request's exchange starts."""
+        head = started.head
         method, target = head.start
         if head.minor != 1:
             raise Refused(505, "only HTTP/1.1 is forwarded through the sandbox's proxy")
@@ -472,37 +533,27 @@ class _Tunnel(Protocol):
                 lines += (name, b": ", value, b"\r\n")
         if hosts != 1:
             raise Refused(400, ONE_HOST)
-        closeAfter = upgrading = False
+        upgrading = None
         if connection:
             named = connectionTokens(head.fields)
-            closeAfter = b"close" in named
             if named & {n for n, _ in head.fields}:
                 # (forwardedLines never drops the framing a Connection names)
                 drop = frozenset({b"host", b"authorization", own})
                 lines = [*lines[:5], forwardedLines(head.fields, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
-                upgrading = True
-        if head.chunked:
+                upgrading = b"websocket"
+        if started.framing is CHUNKED:
             lines.append(b"transfer-encoding: chunked\r\n")
         injected = route.headerValue()
         if injected is not None:
             lines += (route.headerPrefix, injected, b"\r\n")
-            self._injector.injectedRequests += 1
+            self._pool.injected()
         lines.append(b"\r\n")
-        out.append(b"".join(lines))
-        self._method = method
-        self._forwarded = False
-        self._closeAfter = closeAfter
-        self._upgrading = upgrading
-        self._responseDone = False
-        self._responseStarted = False
-        self._body = requestBody(head)
-        self._requestDone = self._body is None
-        upstream = self._upstream
-        if upstream is not None and not upstream.reusable():
-            self._dropUpstream()
-        return True
+        # (The upstream held is reusable here: _exchangeDone drops one that is
+        # not, and fromUpstream one that refused bytes between exchanges.)
+        self._exchange = _Exchange(method, upgrading, self._requests.closing)
+        return b"".join(lines)
 
     def _originForm(self, target: bytes) -> bytes | None:
         low = target.lower()
@@ -517,19 +568,18 @@ class _Tunnel(Protocol):
 
     def _refuse(self, status: int, text: str) -> None:
         log.info("egress: refused a request to {host}: {status} {text}", host=self._host, status=status, text=text)
-        if self._forwarded and not self._requestDone:
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None and exchange.forwarded and not exchange.requestDone:
             # Half the request went upstream: that connection can never carry another.
             self._dropUpstream()
-        self._method = None
         self._queued = []
-        self._requestDone = self._responseDone = True
-        self._sendError(status, text)
+        self._sendError(status, text, exchange is not None and exchange.responseStarted)
 
-    def _sendError(self, status: int, text: str) -> None:
+    def _sendError(self, status: int, text: str, responseStarted: bool) -> None:
         transport = self.transport
         if transport is None or self._closed:
             return
-        if not self._responseStarted:
+        if not responseStarted:
             body = (text + "\n").encode("utf-8")
             transport.write(
                 b"HTTP/1.1 %d %b\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
@@ -548,15 +598,37 @@ class _Tunnel(Protocol):
             else:
                 self.transport.loseConnection()
 
-    def _letGoOfUpstream(self) -> None:
-        """Unpair the upstream: back to the pool when it finished its exchange, else closed."""
+    # ------------------------------------------------------------------ pairing
+
+    def _pair(self, upstream: _Upstream) -> None:
+        """Hold ``upstream`` for this connection: each side's full send buffer pauses the other's reads."""
+        self._upstream = upstream
+        upstream.pair(self)
+        self.transport.registerProducer(upstream.pauser, True)  # type: ignore[union-attr]
+
+    def _unpair(self) -> _Upstream | None:
+        """Undo ``_pair`` (on both sides); the upstream that was held."""
         upstream, self._upstream = self._upstream, None
         if upstream is not None:
             upstream.unpair()
-            if self._requestDone and self._responseDone and not self._switched:
-                self._injector._release(upstream)
+            self._reads.resume(_BY_PEER)
+            if not self._gone and self.transport is not None:
+                self.transport.unregisterProducer()  # type: ignore[attr-defined]
+        return upstream
+
+    def _letGoOfUpstream(self) -> None:
+        """Unpair the upstream: back to the pool when it finished its exchange, else closed."""
+        upstream = self._unpair()
+        if upstream is not None:
+            if self._exchange is None and not self._requests.switched:
+                self._pool.release(upstream)
             else:
                 upstream.close()
+
+    def _dropUpstream(self) -> None:
+        upstream = self._unpair()
+        if upstream is not None:
+            upstream.close()
 
     # ------------------------------------------------------------------ to upstream
 
@@ -565,31 +637,32 @@ class _Tunnel(Protocol):
         if self._dialing:
             self._queued.append(data)
             return
+        exchange = self._exchange
+        assert exchange is not None
         upstream = self._upstream
         if upstream is not None:
-            method, self._method = self._method, None
-            if method is not None:
-                upstream.expect(method)
-            self._forwarded = True
-            upstream.transport.write(data)  # type: ignore[union-attr]
+            if exchange.forwarded:
+                upstream.send(data)
+            else:
+                exchange.forwarded = True
+                upstream.sendRequest(exchange.method, exchange.upgrade, data)
             return
-        if self._method is None:
+        if exchange.forwarded:
             # The upstream went away after answering; the rest of this
             # request's body has nowhere to go (and never starts a new one).
             return
         self._queued = [data]
         self._dialing = True
         self._reads.pause(_BY_DIAL)
-        self._injector._acquire(self._host, self._addresses).addCallbacks(self._gotUpstream, self._noUpstream)
+        self._pool.acquire(self._host, self._addresses).addCallbacks(self._gotUpstream, self._noUpstream)
 
     def _gotUpstream(self, upstream: _Upstream) -> None:
         self._dialing = False
         queued, self._queued = self._queued, []
         if self._closed:
-            self._injector._release(upstream)  # nothing was sent on it yet
+            self._pool.release(upstream)  # nothing was sent on it yet
             return
-        self._upstream = upstream
-        upstream.pair(self)
+        self._pair(upstream)
         if queued:
             self._forward(queued)
         self._reads.resume(_BY_DIAL)
@@ -600,94 +673,131 @@ class _Tunnel(Protocol):
         why = refusalOf(failure).reason if failure.check(RefusalError) else _lostWhy(failure)
         self._upstreamFailed(why)
 
-    def _dropUpstream(self) -> None:
-        upstream, self._upstream = self._upstream, None
-        if upstream is not None:
-            upstream.unpair()
-            upstream.close()
-
     # ------------------------------------------------------------------ from upstream
 
-    def fromUpstream(self, data: bytes, started: bool, ended: bool) -> None:
-        """Response bytes for the client: ``started`` when they hold the final
-        head, ``ended`` when they end the response."""
+    def fromUpstream(self, parts: list[Part]) -> None:
+        """The parts of the upstream's responses its framer handed back: the
+        client gets them in one write.  (A ``Refused`` is the upstream's to act
+        on: it ends its connection, and ``upstreamLost`` follows.)"""
         if self._closed:
             return
-        if started:
-            self._responseStarted = True
-            self._upgrading = False
-        if data:
-            self.transport.write(data)  # type: ignore[union-attr]
-        if ended:
-            self._responseDone = True
-            if self._maybeNextCycle() and self._buf:
-                self._parse()
+        exchange = self._exchange
+        if exchange is None:
+            if self._requests.switched:  # the other protocol's bytes
+                for part in parts:
+                    if part.__class__ is bytes:
+                        self.transport.write(part)  # type: ignore[union-attr]
+            elif isinstance(parts[-1], Refused):
+                # Bytes between exchanges: that connection carries no next request.
+                self._dropUpstream()
+            return
+        out: list[bytes] = []
+        ended = switched = False
+        for part in parts:
+            if part.__class__ is bytes:
+                out.append(part)
+            elif part.__class__ is Started:
+                out.append(self._responseHead(part, exchange))
+            elif part is END:
+                ended = True
+            elif part is SWITCHED:
+                switched = True
+        if out:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        if switched:
+            self._switch()
+        elif ended:
+            exchange.responseDone = True
+            if self._exchangeDone():
+                parts = self._requests.next()
+                if parts:
+                    self._take(parts)
 
-    def upstreamSwitched(self, rest: bytes) -> None:
-        """The upstream accepted a websocket upgrade: splice raw bytes from now on."""
-        self._switched = True
-        self._requestDone = self._responseDone = True
-        if rest:
-            self.transport.write(rest)  # type: ignore[union-attr]
-        held = bytes(self._buf)
-        self._buf.clear()
+    def _responseHead(self, started: Started, exchange: _Exchange) -> bytes:
+        """The head the client gets for a response head the upstream's framer read."""
+        head = started.head
+        status, reason = head.start
+        if started.informational:
+            if status == b"101":
+                return b"HTTP/1.1 101 %b\r\n%bconnection: upgrade\r\nupgrade: %b\r\n\r\n" % (
+                    reason,
+                    forwardedLines(head.fields),
+                    head.values(b"upgrade")[0],
+                )
+            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields))
+        exchange.responseStarted = True
+        framing = started.framing
+        extra = b""
+        if framing is CHUNKED:
+            extra = b"transfer-encoding: chunked\r\n"
+        elif framing is UNTIL_CLOSE:
+            # Delimited by the upstream closing: so is the client's copy.
+            extra = b"connection: close\r\n"
+            exchange.closeAfter = True
+        elif exchange.closeAfter:
+            extra = b"connection: close\r\n"
+        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra)
+
+    def _switch(self) -> None:
+        """The upstream accepted a websocket upgrade: raw bytes both ways from now on."""
+        self._exchange = None
+        held = self._requests.switch()
         self._reads.resume(_BY_AHEAD)
         if held and self._upstream is not None:
-            self._upstream.transport.write(held)  # type: ignore[union-attr]
+            self._upstream.send(held)
 
     def upstreamLost(self, why: str) -> None:
         """The paired upstream connection ended."""
-        self._upstream = None
+        self._unpair()
         if self._closed:
             return
-        if self._switched:
+        if self._requests.switched:
             self._close()
-        elif not self._responseDone:
+        elif self._exchange is not None and not self._exchange.responseDone:
             self._upstreamFailed(why)
 
     def _upstreamFailed(self, why: str) -> None:
         log.info("egress: {host}: {why}", host=self._host, why=why)
-        if self._responseStarted:
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None and exchange.responseStarted:
             # Half a response is out: only a cut connection tells the client.
             self._close(abort=True)
             return
-        self._requestDone = self._responseDone = True
-        self._sendError(502, f"the sandbox's proxy reached no {self._host}: {why}")
+        self._sendError(502, f"the sandbox's proxy reached no {self._host}: {why}", False)
 
-    def _maybeNextCycle(self) -> bool:
-        """Start the next request/response cycle when both ends of this one are done."""
-        if not (self._requestDone and self._responseDone) or self._closed:
+    def _exchangeDone(self) -> bool:
+        """End the exchange if both its ends are done; whether the next one may start."""
+        exchange = self._exchange
+        if exchange is None or not (exchange.requestDone and exchange.responseDone) or self._closed:
             return False
+        self._exchange = None
         upstream = self._upstream
         if upstream is not None and not upstream.reusable():
             self._dropUpstream()
-        if self._closeAfter:
+        if exchange.closeAfter:
             self._close()
             return False
-        self._responseStarted = False
         self._reads.resume(_BY_AHEAD)
         return True
 
 
-_IDLE, _HEAD, _BODY, _SWITCHED = range(4)
-
-
 @implementer(IHandshakeListener)
 class _Upstream(Protocol):
-    """One verified TLS connection to an injected host, speaking HTTP/1.1."""
+    """One verified TLS connection to an injected host, speaking HTTP/1.1.
 
-    def __init__(self, injector: Injector, host: str, address: IPAddress) -> None:
-        self._injector = injector
+    A ``ResponseFramer`` reads its responses; this protocol owns the
+    connection (handshake deadline, idle timer in the pool, whether it can be
+    reused) and hands what the framer read to the paired tunnel.
+    """
+
+    def __init__(self, pool: IUpstreamPool, host: str, address: IPAddress, clock: IReactorTime) -> None:
+        self._pool = pool
         self.host = host
         self.address = address
-        self._clock = injector._reactor
+        self._clock = clock
         self._tunnel: _Tunnel | None = None
         self._reads = _Reads()
-        self._buf = bytearray()
-        self._state = _IDLE
-        self._method = b""
-        self._body: Body | None = None  # the current response's, while it is read
-        self._mustClose = False
+        self._responses = ResponseFramer()
         self._connected = False
         self._lost = False
         self._idleTimer: IDelayedCall | None = None
@@ -705,7 +815,7 @@ class _Upstream(Protocol):
     def connectionMade(self) -> None:
         self._connected = True
         self._reads.transport = self.transport
-        self._handshakeTimer = self._clock.callLater(self._injector.handshakeTimeout, self._handshakeExpired)
+        self._handshakeTimer = self._clock.callLater(self._pool.handshakeTimeout, self._handshakeExpired)
 
     def handshakeCompleted(self) -> None:
         if self._handshakeTimer is not None and self._handshakeTimer.active():
@@ -714,7 +824,7 @@ class _Upstream(Protocol):
 
     def _handshakeExpired(self) -> None:
         self._handshakeTimer = None
-        self._lostWhy = f"no TLS handshake within {self._injector.handshakeTimeout:g}s"
+        self._lostWhy = f"no TLS handshake within {self._pool.handshakeTimeout:g}s"
         self.transport.abortConnection()  # type: ignore[union-attr]
 
     _lostWhy: str | None = None
@@ -722,29 +832,32 @@ class _Upstream(Protocol):
     # ------------------------------------------------------------------ pairing
 
     def pair(self, tunnel: _Tunnel) -> None:
+        """Serve ``tunnel``: its responses go to it, and its reads pause while our send buffer is full."""
         self._tunnel = tunnel
         self.transport.registerProducer(tunnel.pauser, True)  # type: ignore[union-attr]
-        tunnel.transport.registerProducer(self.pauser, True)  # type: ignore[union-attr]
 
     def unpair(self) -> None:
+        """Undo ``pair`` on this side (the tunnel undoes its own)."""
         tunnel, self._tunnel = self._tunnel, None
         if tunnel is None:
             return
         self._reads.resume(_BY_PEER)
-        tunnel._reads.resume(_BY_PEER)
         if not self._lost:
             self.transport.unregisterProducer()  # type: ignore[union-attr]
-        if not tunnel._gone and tunnel.transport is not None:
-            tunnel.transport.unregisterProducer()  # type: ignore[attr-defined]
 
     def reusable(self) -> bool:
         """Connected, answered everything asked, and not told to close."""
-        return self._connected and not self._lost and self._state is _IDLE and not self._mustClose
+        return self._connected and not self._lost and self._responses.reusable
 
-    def expect(self, method: bytes) -> None:
-        """A request head goes out next: its response is what to read."""
-        self._state = _HEAD
-        self._method = method
+    def sendRequest(self, method: bytes, upgrade: bytes | None, data: bytes) -> None:
+        """The start of a request (its head first) of ``method``, asking to switch
+        to ``upgrade``, for the host: its response is what to read next."""
+        self._responses.expect(method, upgrade)
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def send(self, data: bytes) -> None:
+        """More of the request (or, once switched, the other protocol's bytes) for the host."""
+        self.transport.write(data)  # type: ignore[union-attr]
 
     def enterIdle(self, timeout: float) -> None:
         self._idleTimer = self._clock.callLater(timeout, self.close)
@@ -763,116 +876,31 @@ class _Upstream(Protocol):
     # ------------------------------------------------------------------ bytes
 
     def dataReceived(self, data: bytes) -> None:
-        if self._state is _SWITCHED:
-            if self._tunnel is not None:
-                self._tunnel.transport.write(data)  # type: ignore[union-attr]
+        parts = self._responses.feed(data)
+        if not parts:
             return
-        buf = self._buf
-        buf += data
-        out: list[bytes] = []
-        started = ended = False
-        why = None
-        try:
-            while buf:
-                state = self._state
-                if state is _BODY:
-                    body = self._body
-                    assert body is not None
-                    body.feed(buf, out)
-                    if not body.done:
-                        break  # all of it taken, or what is left is part of a chunk line
-                    self._body = None
-                    self._state = _IDLE
-                    ended = True
-                elif state is _HEAD:
-                    kind = self._responseHead(buf, out)
-                    if kind is None:
-                        break
-                    if kind is _SWITCHED:
-                        self._switch(out)
-                        return
-                    if kind is not _HEAD:
-                        started = True
-                        ended = kind is _IDLE
-                else:
-                    raise Refused(502, "answered more than it was asked")
-        except Refused as e:
-            why = e.why
-            self._mustClose = True
-        tunnel = self._tunnel
-        if tunnel is not None and (out or ended):
-            tunnel.fromUpstream(out[0] if len(out) == 1 else b"".join(out), started, ended)
-        if why is not None and not self._lost:
-            self._lostWhy = why
-            self.transport.abortConnection()  # type: ignore[union-attr]
-
-    def _responseHead(self, buf: bytearray, out: list[bytes]) -> int | None:
-        """Parse a response head from ``buf`` into ``out`` (for the client); the state
-        it leads to, or None when the head is not all here."""
-        head = takeResponseHead(buf)
-        if head is None:
-            return None
-        status, reason = head.start
-        tunnel = self._tunnel
-        if status[0] == 0x31:  # 1xx
-            if status == b"101":
-                if tunnel is None or not tunnel._upgrading:
-                    raise Refused(502, "switched protocols without being asked to")
-                upgrade = head.values(b"upgrade")
-                if [v.lower() for v in upgrade] != [b"websocket"]:
-                    raise Refused(502, "switched to something other than websocket")
-                out.append(
-                    b"HTTP/1.1 101 %b\r\n%bconnection: upgrade\r\nupgrade: %b\r\n\r\n"
-                    % (reason, forwardedLines(head.fields), upgrade[0])
-                )
-                return _SWITCHED
-            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
-            return _HEAD
-        extra = b""
-        if head.minor == 0 or b"close" in connectionTokens(head.fields):
-            self._mustClose = True
-        body = responseBody(head, self._method)
-        untilClose = isinstance(body, UntilClose)
-        if head.chunked and body is not None:
-            extra = b"transfer-encoding: chunked\r\n"
-        elif untilClose:
-            # Delimited by the upstream closing: so is the client's copy.
-            self._mustClose = True
-            extra = b"connection: close\r\n"
-            if tunnel is not None:
-                tunnel._closeAfter = True
-        if tunnel is not None and tunnel._closeAfter and not untilClose:
-            extra += b"connection: close\r\n"
-        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
-        self._body = body
-        self._state = state = _IDLE if body is None else _BODY
-        return state
-
-    def _switch(self, out: list[bytes]) -> None:
-        self._state = _SWITCHED
-        rest = bytes(self._buf)
-        self._buf.clear()
         tunnel = self._tunnel
         if tunnel is not None:
-            tunnel.fromUpstream(b"".join(out), True, False)
-            tunnel.upstreamSwitched(rest)
+            tunnel.fromUpstream(parts)
+        last = parts[-1]
+        if isinstance(last, Refused) and not self._lost:
+            self._lostWhy = last.why
+            self.transport.abortConnection()  # type: ignore[union-attr]
 
     def connectionLost(self, reason: Failure = _CLOSED) -> None:
         self._lost = True
         self.leaveIdle()
         if self._handshakeTimer is not None and self._handshakeTimer.active():
             self._handshakeTimer.cancel()
-        self._injector._forget(self)
+        self._pool.forget(self)
         tunnel = self._tunnel
         if tunnel is not None:
-            # Unregister from the client's transport first: a TLS transport
-            # with a producer registered never finishes closing.
             self.unpair()
-            if isinstance(self._body, UntilClose) and self._lostWhy is None and reason.check(ConnectionDone):
-                # Only a close_notify ends a close-delimited body: a bare TCP
-                # close may be a cut, which the client must see as one.
-                self._state = _IDLE
-                tunnel.fromUpstream(b"", False, True)
+            # Only a close_notify ends a close-delimited body: a bare TCP close
+            # may be a cut, which the client must see as one.
+            ended = self._responses.closed(self._lostWhy is None and reason.check(ConnectionDone) is not None)
+            if ended:
+                tunnel.fromUpstream(ended)
             tunnel.upstreamLost(self._lostWhy or _lostWhy(reason))
         waiters, self._lostWaiters = self._lostWaiters, []
         for d in waiters:

@@ -7,7 +7,8 @@ a checked address through a ``Dialer``, or hands the client's connection to an
 inject rule, port 443).  That one question is the only answer to "is this host
 terminated?": the proxy asks it at the moment it decides, and ``check host``
 asks the same object the service would build.  Tests inject all three, so no
-config key can point the proxy somewhere else.
+config key can point the proxy somewhere else.  A terminated tunnel's byte
+counts reach the audit record through ``ICountedTunnel``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
-from zope.interface import Interface
+from zope.interface import Attribute, Interface
 
 from agentsandbox.egress.rules import IPAddress
 
@@ -55,4 +56,18 @@ class ITerminator(Interface):
         to; ``addresses`` are the checked addresses the upstream may be
         dialled at, in order.  The proxy calls ``makeConnection`` with the
         client's transport and then feeds it every byte the client sends.
+        When it provides ``ICountedTunnel``, the tunnel's audit record carries
+        its counts.
         """
+
+
+class ICountedTunnel(Interface):
+    """A terminated tunnel's byte counts, read for its audit record when it closes.
+
+    The protocol ``ITerminator.terminate`` returns may provide it (the
+    injector's does); the record then says how many bytes went each way on the
+    client's connection, else it leaves them out.
+    """
+
+    received = Attribute("Bytes received from the client so far, as they arrived (TLS records included).")
+    sent = Attribute("Bytes written to the client so far, likewise.")

@@ -47,7 +47,7 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
-from agentsandbox.egress.interfaces import Dialer, IResolver, ITerminator
+from agentsandbox.egress.interfaces import Dialer, ICountedTunnel, IResolver, ITerminator
 from agentsandbox.egress.peer import PeerChecker, SameUserPeers
 from agentsandbox.egress.resolve import (
     HostDecision,
@@ -119,6 +119,8 @@ class FrontDoor(Protocol):
         self.gone = False
         self.tunnel: Tunnel | None = None
         self.terminated: IProtocol | None = None
+        #: (kind, grant, when) of the terminated tunnel, for its audit record.
+        self.terminatedAs: tuple[str, Grant, float] | None = None
         self.awaiting = False
         self.pendingEOF = False
         self.paused = False
@@ -175,6 +177,10 @@ class FrontDoor(Protocol):
         )
 
     def dataReceived(self, data: bytes) -> None:
+        terminated = self.terminated
+        if terminated is not None:
+            terminated.dataReceived(data)
+            return
         if self.gone or not data:
             return
         if self.handler is None:
@@ -217,6 +223,8 @@ class FrontDoor(Protocol):
             self.terminated.connectionLost(reason)
         if self.handler is not None and hasattr(self.handler, "connectionLost"):
             self.handler.connectionLost(reason)
+        if self.terminatedAs is not None:
+            self.factory.terminatedClosed(self, self.terminatedAs)
 
     # -------------------------------------------------------------- helpers for handlers
     def parseError(self, kind: str, why: str, answer: bytes) -> None:
@@ -345,20 +353,11 @@ class FrontDoor(Protocol):
         granted()
         protocol = terminator.terminate(grant.host, grant.addresses)
         self.terminated = protocol
-        started = self.factory.reactor.seconds()
-        counted = {"up": 0}
-        original = protocol.dataReceived
-
-        def feed(data: bytes) -> None:
-            counted["up"] += len(data)
-            original(data)
-
-        self.dataReceived = feed  # type: ignore[method-assign]
+        self.terminatedAs = (kind, grant, self.factory.reactor.seconds())
         protocol.makeConnection(self.transport)
-        self.factory.onTerminated(self, kind, grant, started, counted)
         pending, self.pending = self.pending, []
         for chunk in pending:
-            feed(chunk)
+            protocol.dataReceived(chunk)
         self.resumeIfPaused()
         if self.pendingEOF:
             self.readConnectionLost()
@@ -539,31 +538,24 @@ class EgressProxyFactory(Factory):
             duration=round(self.reactor.seconds() - tunnel.startedAt, 3),
         )
 
-    def onTerminated(
-        self, door: FrontDoor, kind: str, grant: Grant, started: float, counted: dict[str, int]
-    ) -> None:
-        def closed(_: object) -> None:
-            self.release()
-            self.record(
-                "tunnel",
-                kind=kind,
-                client=door.client,
-                host=grant.host,
-                port=grant.port,
-                via="inject",
-                up=counted["up"],
-                # Ciphertext sent to the client, counted where the terminator writes.
-                down=getattr(getattr(door.terminated, "transport", None), "written", None),
-                duration=round(self.reactor.seconds() - started, 3),
-            )
-
-        original = door.connectionLost
-
-        def lost(reason: Failure = None) -> None:  # type: ignore[assignment]
-            original(reason)
-            closed(None)
-
-        door.connectionLost = lost  # type: ignore[method-assign]
+    def terminatedClosed(self, door: FrontDoor, terminatedAs: tuple[str, Grant, float]) -> None:
+        """A terminated tunnel's client connection ended: its slot is free, its record written."""
+        kind, grant, started = terminatedAs
+        self.release()
+        # The bytes on the client's connection, counted by the terminator's
+        # protocol where it reads and writes them (None when it does not count).
+        counts = ICountedTunnel(door.terminated, None)
+        self.record(
+            "tunnel",
+            kind=kind,
+            client=door.client,
+            host=grant.host,
+            port=grant.port,
+            via="inject",
+            up=None if counts is None else counts.received,
+            down=None if counts is None else counts.sent,
+            duration=round(self.reactor.seconds() - started, 3),
+        )
 
     def handOff(self, tunnel: Tunnel) -> None:
         """A spliced tunnel is established; splice(2) takes it over once it carries volume.
