@@ -71,6 +71,7 @@ from twisted.internet.defer import Deferred  # noqa: E402
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol  # noqa: E402
 from twisted.internet.interfaces import IProtocol  # noqa: E402
 from twisted.internet.protocol import Protocol  # noqa: E402
+from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
 from agentsandbox.egress.interfaces import ITerminator  # noqa: E402
@@ -282,17 +283,30 @@ class HttpTests(BaseProxyTest):
 
     @deferredTest
     async def test_headerTimeout(self) -> None:
-        h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2})
-        c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\n")
+        clock = Clock()
+        h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2}, clock=clock)
+        partial = b"CONNECT echo.example.org:443 HTTP/1.1\r\n"
+        c = Collector(partial)
+        read = h.doorRead(len(partial))
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        door = await read
+        clock.pump([0.025] * 4)  # 0.1 s (the sweep runs every 0.05 s here): the head may still come
+        self.assertFalse(door.gone)
+        clock.pump([0.025] * 6)  # 0.25 s
         await c.done
         self.assertIn("proxy.header_timeout", h.records()[-1]["reason"])
 
     @deferredTest
     async def test_idleTimeoutClosesTunnel(self) -> None:
-        h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3})
+        clock = Clock()
+        h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3}, clock=clock)
         c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await c.until(b"\r\n\r\n")
+        # The sweep (every 0.075 s here) starts the idle count at its first pass.
+        clock.pump([0.025] * 8)  # 0.2 s: idle, but not for long enough
+        self.assertEqual(len(h.factory.tunnels), 1)
+        clock.pump([0.025] * 12)  # 0.5 s
         await c.done
         rec = h.records()[-1]
         self.assertEqual(rec["event"], "tunnel")

@@ -141,7 +141,7 @@ class _MemoryInjector:
     handshakeTimeout = 30.0
 
     def __init__(self) -> None:
-        self._reactor = Clock()
+        self.clock = Clock()
         self.injectedRequests = 0
         self.upstreams: list[_Upstream] = []
 

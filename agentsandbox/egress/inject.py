@@ -157,7 +157,9 @@ class Injector:
     ``dialer`` reaches a checked address (the proxy's, or a test's that maps
     addresses to loopback); ``upstreamTrust`` is the upstream trust in PEM (the
     system's roots when None; tests pass their own CA here, never through
-    config).
+    config).  ``clock`` (default: ``reactor``) times the tunnel's idle timeout
+    and the upstream's handshake and pool timeouts; the dials go through
+    ``dialer``, so a test may hand in a ``task.Clock`` and keep real sockets.
     """
 
     def __init__(
@@ -171,8 +173,9 @@ class Injector:
         upstreamIdleTimeout: float = 60.0,
         handshakeTimeout: float = 30.0,
         poolSize: int = 8,
+        clock: IReactorTime | None = None,
     ) -> None:
-        self._reactor = reactor
+        self.clock: IReactorTime = clock if clock is not None else reactor
         self._dialer = dialer
         self._upstreamTrust = upstreamTrust
         # Made at the first dial: loading the system roots costs a few MB.
@@ -335,7 +338,7 @@ class _Tunnel(Protocol):
         self._host = route.host
         self._hostBytes = route.host.encode("ascii")
         self._addresses = addresses
-        self._clock = injector._reactor
+        self._clock = injector.clock
         self._buf = bytearray()
         self._reads = _Reads()
         self._upstream: _Upstream | None = None
@@ -670,7 +673,7 @@ class _Upstream(Protocol):
         self._injector = injector
         self.host = host
         self.address = address
-        self._clock = injector._reactor
+        self._clock = injector.clock
         self._tunnel: _Tunnel | None = None
         self._reads = _Reads()
         self._buf = bytearray()

@@ -29,7 +29,7 @@ from zope.interface import implementer
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config, loads
 from agentsandbox.egress.interfaces import IResolver
-from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
+from agentsandbox.egress.proxy import ZERO_COPY_AFTER, EgressProxyFactory, FrontDoor, ProxyService
 from agentsandbox.egress.resolve import ResolveError
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.paths import Paths
@@ -145,6 +145,7 @@ class ProxyHarness:
         config: Config | Any = None,
         spliceFast: bool = True,
         zeroCopyAfter: int | None = None,
+        clock: Any = None,
     ) -> None:
         self.home = tempfile.mkdtemp(prefix="egress-home-")
         self.config = config or makeConfig(domainsToml(domains, **(proxy or {})), self.home)
@@ -161,10 +162,41 @@ class ProxyHarness:
             terminator=terminator,
             audit=self.audit,
             spliceFast=spliceFast,
-            **({} if zeroCopyAfter is None else {"zeroCopyAfter": zeroCopyAfter}),
+            zeroCopyAfter=ZERO_COPY_AFTER if zeroCopyAfter is None else zeroCopyAfter,
+            clock=clock,
         )
+        self._doorWaiters: list[tuple[int, Deferred[FrontDoor]]] = []
+        build = self.factory.buildProtocol
+        self.factory.buildProtocol = lambda addr: self._watched(build(addr))  # type: ignore[method-assign]
         self.service = ProxyService(self.factory, "tcp:0:interface=127.0.0.1")
         self.port = 0
+
+    def doorRead(self, size: int) -> Deferred[FrontDoor]:
+        """Fires with the next front door once it has read ``size`` bytes of its client.
+
+        A timeout test on a ``task.Clock`` advances the clock only after this,
+        so the proxy has seen what the client sent, without polling.
+        """
+        d: Deferred[FrontDoor] = Deferred()
+        self._doorWaiters.append((size, d))
+        return d
+
+    def _watched(self, door: FrontDoor) -> FrontDoor:
+        if not self._doorWaiters:
+            return door
+        size, d = self._doorWaiters.pop(0)
+        received = door.dataReceived
+        seen = 0
+
+        def dataReceived(data: bytes) -> None:
+            nonlocal seen
+            received(data)
+            seen += len(data)
+            if seen >= size and not d.called:
+                d.callback(door)
+
+        door.dataReceived = dataReceived  # type: ignore[method-assign]
+        return door
 
     async def start(self) -> ProxyHarness:
         self.service.startService()
@@ -231,6 +263,7 @@ class Collector(Protocol):
         self.received = bytearray()
         self.done: Deferred[bytes] = Deferred()
         self.reason: Any = None
+        self._waiters: list[tuple[bytes, Deferred[bytes]]] = []
 
     def connectionMade(self) -> None:
         if self.send:
@@ -240,10 +273,27 @@ class Collector(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data
+        if self._waiters:
+            arrived = [(m, d) for m, d in self._waiters if m in self.received]
+            self._waiters = [(m, d) for m, d in self._waiters if m not in self.received]
+            for _, d in arrived:
+                d.callback(bytes(self.received))
 
     def connectionLost(self, reason: Any = None) -> None:
         self.reason = reason
         self.done.callback(bytes(self.received))
+        waiters, self._waiters = self._waiters, []
+        for marker, d in waiters:
+            d.errback(AssertionError(f"the connection closed before {marker!r} arrived: {bytes(self.received)[:200]!r}"))
+
+    def until(self, marker: bytes) -> Deferred[bytes]:
+        """Fires with what was received once it holds ``marker`` (event-driven, no polling)."""
+        d: Deferred[bytes] = Deferred()
+        if marker in self.received:
+            d.callback(bytes(self.received))
+        else:
+            self._waiters.append((marker, d))
+        return d
 
 
 async def exchange(port: int, send: bytes, halfClose: bool = True) -> bytes:
