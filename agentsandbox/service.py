@@ -23,7 +23,7 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
 from agentsandbox.egress.dial import tcpDialer
-from agentsandbox.egress.interfaces import Dialer, IResolver
+from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.paths import locateDispatchSocket
 from agentsandbox.policy import Policy
@@ -72,7 +72,7 @@ class AgentSandbox(MultiService):
         configPath: str | None = None,
         clock: Any = None,
         resolver: IResolver | None = None,
-        dialer: Dialer | None = None,
+        dialer: IDialer | None = None,
         peers: Any = None,
         upstreamTrust: bytes | None = None,
         procDir: str = "/proc",
@@ -85,7 +85,7 @@ class AgentSandbox(MultiService):
         self.environ = dict(os.environ if environ is None else environ)
         self.holder = ConfigHolder(config)
         self.audit = CountingAudit(AuditLog.fromConfig(config))
-        self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
+        self.dialer: IDialer = dialer if dialer is not None else tcpDialer(reactor)
         self.upstreamTrust = upstreamTrust
         self._clock = clock
         #: Why the proxy could not listen (None while it listens or has not tried).
@@ -258,7 +258,7 @@ class _Injection:
     egress dir is rewritten with it.
     """
 
-    def __init__(self, config: Config, tokens: TokenKeepers, dialer: Dialer, reactor: Any, upstreamTrust: bytes | None) -> None:
+    def __init__(self, config: Config, tokens: TokenKeepers, dialer: IDialer, reactor: Any, upstreamTrust: bytes | None) -> None:
         self.dialer = dialer
         self.reactor = reactor
         self.upstreamTrust = upstreamTrust

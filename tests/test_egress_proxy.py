@@ -8,11 +8,10 @@ from typing import Any, cast
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     Echo,
-    FixedResolver,
     Greeter,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     exchange,
@@ -74,7 +73,7 @@ from twisted.internet.protocol import Protocol  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
-from agentsandbox.egress.interfaces import ITerminator  # noqa: E402
+from agentsandbox.egress.interfaces import IPeerChecker, ITerminator  # noqa: E402
 from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
 
@@ -365,6 +364,7 @@ class HttpTests(BaseProxyTest):
 
     @deferredTest
     async def test_peerRefused(self) -> None:
+        @implementer(IPeerChecker)
         class NotYou:
             def check(self, client: tuple[str, int], server: tuple[str, int]) -> str:
                 return "its socket belongs to uid 4242, not 0"

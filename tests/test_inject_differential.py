@@ -68,6 +68,7 @@ from twisted.python.failure import Failure
 from agentsandbox.config import EnvSource, InjectRule
 from agentsandbox.egress.http11 import MAX_HEAD
 from agentsandbox.egress.inject import Route, _Tunnel, _Upstream
+from agentsandbox.egress.testing import FixedToken
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
@@ -127,11 +128,6 @@ RESPONSE_EXEMPT = frozenset(
 # ---------------------------------------------------------------------- the injector, in memory
 
 
-class _Token:
-    def token(self) -> str | None:
-        return TOKEN
-
-
 class _MemoryInjector:
     """What ``_Tunnel`` and ``_Upstream`` ask of their ``Injector``, with each
     upstream connection on a ``StringTransport`` instead of verified TLS."""
@@ -161,7 +157,7 @@ class _MemoryInjector:
 
 def _terminated() -> tuple[_MemoryInjector, _Tunnel, StringTransport]:
     injector = _MemoryInjector()
-    tunnel = _Tunnel(injector, Route(HOST, RULE, _Token()), (ADDRESS,))  # type: ignore[arg-type]
+    tunnel = _Tunnel(injector, Route(HOST, RULE, FixedToken(TOKEN)), (ADDRESS,))  # type: ignore[arg-type]
     client = StringTransport()
     tunnel.makeConnection(client)
     return injector, tunnel, client

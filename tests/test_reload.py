@@ -14,9 +14,9 @@ from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.egress.testing import FixedResolver
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 from tests.support.egress_fixtures import (
-    FixedResolver,
     ProxyHarness,
     deferredTest,
     domainsToml,

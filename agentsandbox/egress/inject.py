@@ -40,7 +40,6 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from typing import Protocol as TypingProtocol
 
 from service_identity import VerificationError
 from twisted.internet import defer
@@ -73,7 +72,7 @@ from agentsandbox.egress.http11 import (
     takeRequestHead,
     takeResponseHead,
 )
-from agentsandbox.egress.interfaces import Dialer, ITerminator
+from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
@@ -92,19 +91,13 @@ _REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 MAX_READ_AHEAD = 256 * 1024
 
 
-class TokenHolder(TypingProtocol):
-    """What a route needs of a token keeper (``tokens.TokenKeeper`` is one)."""
-
-    def token(self) -> str | None: ...
-
-
 @dataclass
 class Route:
     """An injected host: its rule and where its token comes from."""
 
     host: str
     rule: InjectRule
-    keeper: TokenHolder
+    keeper: ITokenHolder
     headerName: bytes = field(init=False)
     headerPrefix: bytes = field(init=False)
     hostLine: bytes = field(init=False)
@@ -139,7 +132,7 @@ class Route:
 
 
 def routesFor(
-    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], TokenHolder]
+    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder]
 ) -> dict[str, Route]:
     """host -> Route for every host of every rule."""
     routes: dict[str, Route] = {}
@@ -166,7 +159,7 @@ class Injector:
         self,
         ca: InjectionCA,
         routes: Mapping[str, Route],
-        dialer: Dialer,
+        dialer: IDialer,
         reactor: IReactorTime,
         upstreamTrust: bytes | None = None,
         idleTimeout: float = 300.0,

@@ -46,8 +46,8 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
-from agentsandbox.egress.interfaces import Dialer, IResolver, ITerminator
-from agentsandbox.egress.peer import PeerChecker, SameUserPeers
+from agentsandbox.egress.interfaces import IDialer, IPeerChecker, IResolver, ITerminator
+from agentsandbox.egress.peer import SameUserPeers
 from agentsandbox.egress.resolve import (
     HostDecision,
     ResolveError,
@@ -419,8 +419,8 @@ class EgressProxyFactory(Factory):
         config: Config | ConfigHolder,
         reactor: Any,
         resolver: IResolver | None = None,
-        dialer: Dialer | None = None,
-        peers: PeerChecker | None = None,
+        dialer: IDialer | None = None,
+        peers: IPeerChecker | None = None,
         terminator: ITerminator | None = None,
         audit: AuditLog | None = None,
         spliceFast: bool = True,
@@ -432,8 +432,8 @@ class EgressProxyFactory(Factory):
         self.reactor = reactor
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.resolver: IResolver = resolver if resolver is not None else SystemResolver(reactor)
-        self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
-        self.peers: PeerChecker = peers if peers is not None else SameUserPeers()
+        self.dialer: IDialer = dialer if dialer is not None else tcpDialer(reactor)
+        self.peers: IPeerChecker = peers if peers is not None else SameUserPeers()
         self.terminator = terminator
         self.audit = audit
         self.spliceFast = spliceFast
