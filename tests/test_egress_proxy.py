@@ -266,8 +266,7 @@ class HttpTests(BaseProxyTest):
         h = await self.proxy(["echo.example.org"], proxy={"max_tunnels": 1})
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
-        while b"200" not in first.received:
-            await sleep(0.01)
+        await first.until(b"200")
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"503 Service Unavailable", out)
         self.assertIn(b"proxy.max_tunnels", out)
@@ -380,16 +379,14 @@ class HttpTests(BaseProxyTest):
         h = await self.proxy(["echo.example.org"])
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
-        while b"200" not in first.received:
-            await sleep(0.01)
+        await first.until(b"200")
         from tests.support.egress_fixtures import domainsToml, makeConfig
 
         h.factory.holder.swap(makeConfig(domainsToml(["other.example.org"])))
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403", out)
         first.transport.write(b"still open")
-        while not first.received.endswith(b"still open"):
-            await sleep(0.01)
+        await first.until(b"still open")
         first.transport.loseConnection()
         await first.done
 
