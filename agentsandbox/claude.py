@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from agentsandbox.policy import ENV_MARKER, Policy, under
 
 FILE_TOOLS = ("Read", "Grep", "Glob", "Edit", "MultiEdit", "Write", "NotebookEdit")
 HOOK_TIMEOUT = 10
+#: The script the PreToolUse hook runs, in this installation's package directory
+#: (Debian: /usr/lib/python3/dist-packages; Nix: the store path's site-packages).
+HOOK_START = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hookstart.py")
 RUNTIME_ROOT = "/run/user"
 #: Every user's egress dir, as ``_readSetting`` writes a runtime-dir path.  It is
 #: re-allowed even when whoever renders has no runtime dir (root in a package's
@@ -125,11 +129,26 @@ def _settings(items: Iterable[str]) -> list[str]:
     return sorted(set(items))
 
 
+def hookCommand(exe: str, event: str) -> list[str]:
+    """The argv Claude Code runs for a hook ``event`` (``pretooluse``, ``sessionstart``).
+
+    PreToolUse runs before every file-tool call, so it skips the console script
+    (which imports the CLI, and on Debian ``re``) and ``site``: the interpreter
+    running this code, isolated, on ``hookstart.py`` with ``exe`` (its
+    docstring says why).  SessionStart runs once a session and needs the whole
+    CLI: ``exe hook sessionstart``.
+    """
+    if event == "pretooluse" and sys.executable:
+        return [sys.executable, "-I", "-S", HOOK_START, exe, event]
+    return [exe, "hook", event]
+
+
 def _hook(exe: str, event: str) -> dict[str, Any]:
+    command, *args = hookCommand(exe, event)
     return {
         "type": "command",
-        "command": exe,
-        "args": ["hook", event],
+        "command": command,
+        "args": args,
         "timeout": HOOK_TIMEOUT,
         "onFailure": "block",
     }

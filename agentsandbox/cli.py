@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING
 
 from agentsandbox import __version__
+
+# Importing typing costs a subcommand such as ``gpg`` more than its own work;
+# mypy reads this name as true all the same.
+TYPE_CHECKING = False
 
 if TYPE_CHECKING:
     import argparse

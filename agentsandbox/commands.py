@@ -136,7 +136,11 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
         return 1
     host, port = decision.host, decision.port
     print(f"allowed by name: {host}:{port} matches sandbox.domains entry {entry.text!r}")
-    if config.injectFor(host) is not None and port == 443:
+    # The proxy's own question, asked of the terminator the service would
+    # build from this config (never started: nothing fetched or written).
+    from agentsandbox.egress.injection import injectionFor
+
+    if injectionFor(config).injector.injects(host, port):
         print(f"  the proxy terminates TLS for {host} and sets its credential header")
     from agentsandbox.policy import PROXY_AWARE, literalFixes, noProxyNote
 

@@ -7,16 +7,24 @@ them.  It fails closed: bad input, a config that cannot be loaded, or any
 exception denies the call with a reason.  Claude Code 2.1.197 runs a tool whose
 hook crashed, so a crash must never escape as a traceback.
 
-Stdlib only, and kept small: it runs on every file-tool call.
+Stdlib only, and kept small: it runs on every file-tool call, started by
+``hookstart.py`` (``python -I -S``, which the drop-in names) with nothing but
+this module, the policy, the paths and their JSON (``hookjson``).  The decision
+imports neither ``json`` nor ``re`` nor ``fnmatch``: each would cost more than
+the decision itself (bench/hook.py); the SessionStart hook, run once a session
+through the CLI, imports what it needs.
+
+The policy cache (``cachedPolicy``) lives here, the only place that loads the
+config for a decision: ``policy`` must not import ``config``, which builds a
+Policy to check its layout.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
-from fnmatch import fnmatchcase
+
+from agentsandbox.hookjson import asciiString, loads
 
 # Importing typing costs the hook more than its decision; mypy reads this name
 # as true all the same.
@@ -40,7 +48,7 @@ JS_WHITESPACE = (
     "\u2028\u2029\u202f\u205f\u3000\ufeff"
 )
 #: The characters Claude Code's Glob takes as the start of a wildcard.
-_GLOB_START = r"[*?\[{]"
+_GLOB_START = "*?[{"
 
 #: The whole stdout when even building a deny fails: a static, valid deny.
 LAST_RESORT = (
@@ -54,20 +62,14 @@ class Refusal(Exception):
 
 
 def deny(reason: str) -> str:
-    # ASCII only: a lone surrogate or any other code point is escaped, so the
-    # line can be written whatever stdout's encoding is.
+    """The deny line: ``json.dumps`` of the hook's answer, ``ensure_ascii=True``.
+
+    ASCII only: a lone surrogate or any other code point is escaped, so the
+    line can be written whatever stdout's encoding is.
+    """
     return (
-        json.dumps(
-            {
-                "hookSpecificOutput": {
-                    "hookEventName": "PreToolUse",
-                    "permissionDecision": "deny",
-                    "permissionDecisionReason": reason,
-                }
-            },
-            ensure_ascii=True,
-        )
-        + "\n"
+        '{"hookSpecificOutput": {"hookEventName": "PreToolUse", "permissionDecision": "deny", '
+        f'"permissionDecisionReason": {asciiString(reason)}}}}}\n'
     )
 
 
@@ -218,9 +220,9 @@ def globSplit(pattern: str) -> tuple[str, str]:
     wildcard, or the pattern's dirname when it has none; it is handed to
     ripgrep unnormalised.  A relative pattern is all rest ('' root).
     """
-    match = re.search(_GLOB_START, pattern)
-    literal = pattern if match is None else pattern[: match.start()]
-    if match is None:
+    first = min((i for i in map(pattern.find, _GLOB_START) if i >= 0), default=-1)
+    literal = pattern if first < 0 else pattern[:first]
+    if first < 0:
         stripped = pattern.rstrip("/") or "/"
         cut = stripped.rfind("/")
         return (stripped[:cut] or "/", stripped[cut + 1 :]) if cut >= 0 else ("", pattern)
@@ -351,8 +353,6 @@ def decideReadings(
 
 
 def _policy(environ: Mapping[str, str]) -> tuple[Policy, str]:
-    from agentsandbox.policy import PolicyUnavailable, cachedPolicy
-
     try:
         return cachedPolicy(environ)
     except PolicyUnavailable as e:
@@ -360,6 +360,100 @@ def _policy(environ: Mapping[str, str]) -> tuple[Policy, str]:
             f"agentsandbox refused this call because its config cannot be loaded, so no "
             f"file access is allowed until it is fixed: {e}"
         ) from None
+
+
+# --------------------------------------------------------------------------- the policy cache
+
+_CACHE_NAME = "policy-cache.json"
+
+#: The variables the policy depends on besides the config file.
+_CACHE_ENV = (
+    "HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+    "CLAUDE_CONFIG_DIR",
+    "AGENTSANDBOX_EXE",
+)
+
+
+class PolicyUnavailable(Exception):
+    """No policy can be built: the config cannot be loaded.  The text says why."""
+
+
+def _cacheKey(environ: Mapping[str, str]) -> list[object]:
+    from agentsandbox import __version__
+    from agentsandbox.paths import locateConfig
+
+    source = locateConfig(None, environ)
+    fileKey: list[object] | None = None
+    if source is not None:
+        st = os.stat(source)
+        fileKey = [source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return [__version__, fileKey, [environ.get(n) for n in _CACHE_ENV]]
+
+
+def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
+    """The policy and its config's source, parsing the config only when it changed.
+
+    The hook runs on every file-tool call; parsing and validating TOML costs
+    more than its whole budget.  The cache sits in the state dir, which sessions
+    cannot write; it is ignored when the policy it holds would let a session
+    write it, or when it is not a private file of this user.  Raises
+    ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
+    cannot be loaded.  Only a miss imports the config loader (and TOML).
+
+    The policy is for one decision: it resolves each path once
+    (``Policy.remembering``), the cache's own check included.
+    """
+    from agentsandbox.paths import Paths
+    from agentsandbox.policy import Policy
+
+    path = os.path.join(Paths.fromEnvironment(environ).stateDir, _CACHE_NAME)
+    try:
+        key = _cacheKey(environ)
+    except OSError:
+        key = None
+    if key is not None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+                    data = loads(f.read())
+                    if data.get("key") == key:
+                        policy = Policy.fromDict(data["policy"], environ).remembering()
+                        if not policy.writable(path, "/"):
+                            return policy, str(data["source"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    from agentsandbox.config import ConfigError, load
+
+    try:
+        config = load(None, environ)
+    except ConfigError as e:
+        raise PolicyUnavailable(str(e)) from None
+    policy = Policy.fromConfig(config, environ).remembering()
+    if key is not None and not policy.writable(path, "/"):
+        _writeCache(path, {"key": key, "source": config.source, "policy": policy.toDict()})
+    return policy, config.source
+
+
+def _writeCache(path: str, data: dict[str, object]) -> None:
+    import json
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _quoted(shown: str) -> str:
@@ -371,9 +465,7 @@ def _quoted(shown: str) -> str:
 
 def _readAs(policy: Policy, reading: Reading, shown: str, cwd: str) -> str:
     """How ``shown`` was read, where the reason would not make that plain."""
-    from agentsandbox.policy import resolve
-
-    real = resolve(reading.path, cwd, policy.home)
+    real = policy._resolve(reading.path, cwd)
     if reading.physical:
         return f" (which the file system resolves, links before '..', to {real})"
     if jsTrim(shown) != shown:
@@ -421,7 +513,7 @@ def pretooluse(stdin: IO[bytes], environ: Mapping[str, str]) -> str:
         if not raw.strip():
             return deny("agentsandbox refused this call: the hook's input is empty")
         try:
-            event = json.loads(raw)
+            event = loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             return deny(f"agentsandbox refused this call: the hook's input is not JSON ({e})")
         reason = decide(event, environ)
@@ -439,6 +531,9 @@ def credentialNames(
     environ: Mapping[str, str], patterns: tuple[str, ...], keep: tuple[str, ...]
 ) -> list[str]:
     """Variables of Claude Code's environment that look like credentials, sorted."""
+    import re
+    from fnmatch import fnmatchcase
+
     return sorted(
         name
         for name in environ
@@ -510,6 +605,8 @@ def sessionstart(environ: Mapping[str, str]) -> str:
         messages.append(f"agentsandbox: the SessionStart hook failed ({type(e).__name__}: {e}).")
     if not messages:
         return ""
+    import json
+
     return json.dumps({"systemMessage": " ".join(messages)}, ensure_ascii=True) + "\n"
 
 

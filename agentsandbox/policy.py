@@ -5,20 +5,20 @@ project and plan files, git's config, the spool).  ``readable`` and ``writable``
 are the decisions the PreToolUse hook and the broker make; the Claude Code
 drop-in and the srt settings render the same lists for bubblewrap.
 
-Stdlib only, and no ``dataclasses`` or ``typing`` at run time: the hook decides
-on every file-tool call within a few milliseconds of Python's own start-up, so
-``Policy`` is a small slotted immutable class, and the hook builds it from a
-cache (``cachedPolicy``) that is valid only while the config file is unchanged.
+Stdlib only, and no ``dataclasses``, ``typing``, ``json``, ``re`` or ``fnmatch``
+at import time: the hook decides on every file-tool call within a few
+milliseconds of Python's own start-up, so ``Policy`` is a small slotted
+immutable class, and the hook builds it from its cache (``hook.cachedPolicy``:
+``toDict``/``fromDict``) while the config file is unchanged.  This module never
+imports the config loader: the config builds a Policy to check its layout.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import os
 import sys
 
-from agentsandbox.paths import APP, Paths, locateConfig
+from agentsandbox.paths import APP, Paths
 
 # Importing typing costs the hook more than its decision; mypy reads this name
 # as true all the same.
@@ -63,12 +63,28 @@ def under(path: str, directory: str) -> bool:
 
 
 def underGlob(path: str, pattern: str) -> bool:
-    """``path`` is at or below a path matching ``pattern``; ``*`` never crosses ``/``."""
+    """``path`` is at or below a path matching ``pattern``; ``*`` never crosses ``/``.
+
+    Each component is matched as ``fnmatch.fnmatchcase`` matches it; the
+    components that are plain text or a lone ``*`` (all the harness's own
+    patterns have) are decided without importing fnmatch and its ``re``.
+    """
     parts = path.split("/")
     pats = pattern.split("/")
     if len(parts) < len(pats):
         return False
-    return all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats, strict=False))
+    for p, q in zip(parts, pats, strict=False):
+        if q == "*":
+            continue
+        if "*" not in q and "?" not in q and "[" not in q:
+            if p != q:
+                return False
+            continue
+        import fnmatch
+
+        if not fnmatch.fnmatchcase(p, q):
+            return False
+    return True
 
 
 def tempDir(environ: Mapping[str, str]) -> str:
@@ -98,6 +114,48 @@ def resolve(path: str, cwd: str, home: str) -> str:
     # keeps missing components as they are: a Write through a dangling link creates
     # the link's target, so the target is what must be decided.
     return os.path.realpath(path)
+
+
+#: Paths with more components than this are resolved by ``os.path.realpath``
+#: alone: remembering every prefix of a 64 KiB path would cost more than it saves.
+_REMEMBERED_DEPTH = 64
+
+
+def realpathRemembering(path: str, memo: dict[str, str]) -> str:
+    """``os.path.realpath(path)`` of an absolute, normalised path, each parent resolved once.
+
+    The same answer as realpath (tests/test_policy compares them on generated
+    trees of links, loops and dangling links included): a component that is no
+    link is appended to its parent's resolution; one that is a link is handed,
+    with that resolution, to realpath itself.  A link loop leaves realpath's
+    answer holding the looping link, and every lstat below it then fails, so the
+    rest is appended unresolved, as realpath appends it.  ``memo`` maps each
+    resolved prefix to its resolution.
+    """
+    found = memo.get(path)
+    if found is not None:
+        return found
+    if path.count("/") > _REMEMBERED_DEPTH or not path.startswith("/") or path.startswith("//"):
+        found = memo[path] = os.path.realpath(path)
+        return found
+    # The nearest remembered parent, then each component below it in turn.
+    todo: list[str] = []
+    head = path
+    while head != "/" and head not in memo:
+        todo.append(head)
+        head = head.rpartition("/")[0] or "/"
+    real = "/" if head == "/" else memo[head]
+    import stat
+
+    for prefix in reversed(todo):
+        name = prefix.rpartition("/")[2]
+        candidate = real + name if real == "/" else real + "/" + name
+        try:
+            link = stat.S_ISLNK(os.lstat(candidate).st_mode)
+        except OSError:
+            link = False
+        real = memo[prefix] = os.path.realpath(candidate) if link else candidate
+    return real
 
 
 #: The proxy as sandboxed commands see it: the in-sandbox bridge srt and
@@ -189,7 +247,7 @@ class Policy:
     of the value.
     """
 
-    __slots__ = (*_FIELDS, "environ")
+    __slots__ = (*_FIELDS, "_resolved", "environ")
 
     home: str
     runtime: str | None
@@ -205,6 +263,8 @@ class Policy:
     exe: str
     configFile: str | None
     environ: Mapping[str, str]
+    #: Each absolute path and parent resolved so far, in a ``remembering`` copy; else None.
+    _resolved: dict[str, str] | None
 
     def __init__(
         self,
@@ -229,6 +289,7 @@ class Policy:
             value = values[name]
             object.__setattr__(self, name, tuple(value) if isinstance(value, list) else value)
         object.__setattr__(self, "environ", {} if environ is None else environ)
+        object.__setattr__(self, "_resolved", None)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Policy is immutable; cannot set {name}")
@@ -237,6 +298,8 @@ class Policy:
         return isinstance(other, Policy) and self.toDict() == other.toDict()
 
     def __hash__(self) -> int:
+        import json
+
         return hash(json.dumps(self.toDict(), sort_keys=True))
 
     def __repr__(self) -> str:
@@ -305,8 +368,23 @@ class Policy:
         """The directories denied for reading apart from what the lists re-allow."""
         return (self.home,) if self.runtime is None else (self.home, self.runtime)
 
+    def remembering(self) -> Policy:
+        """This policy, resolving each path once: for one decision, such as the hook's.
+
+        One Read decides two readings against every list entry, so most paths
+        (and most of their parents) would be resolved several times.  A
+        long-lived policy (the broker's) must not remember: a link may change
+        between two decisions.
+        """
+        copy = Policy(**self.toDict(), environ=self.environ)  # type: ignore[arg-type]
+        object.__setattr__(copy, "_resolved", {})
+        return copy
+
     def _resolve(self, path: str, cwd: str) -> str:
-        return resolve(path, cwd, self.home)
+        memo = self._resolved
+        if memo is None:
+            return resolve(path, cwd, self.home)
+        return realpathRemembering(_absolute(path, cwd, self.home), memo)
 
     def processPath(self, path: str, cwd: str) -> str | None:
         """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved."""
@@ -504,87 +582,3 @@ def executable() -> str:
 
     found = shutil.which(APP)
     return os.path.abspath(found) if found else beside
-
-
-# --------------------------------------------------------------------------- the hook's cache
-
-_CACHE_NAME = "policy-cache.json"
-
-
-class PolicyUnavailable(Exception):
-    """No policy can be built: the config cannot be loaded.  The text says why."""
-
-_CACHE_ENV = (
-    "HOME",
-    "XDG_CONFIG_HOME",
-    "XDG_STATE_HOME",
-    "XDG_RUNTIME_DIR",
-    "CLAUDE_CONFIG_DIR",
-    "AGENTSANDBOX_EXE",
-)
-
-
-def _cacheKey(environ: Mapping[str, str]) -> list[object]:
-    from agentsandbox import __version__
-
-    source = locateConfig(None, environ)
-    fileKey: list[object] | None = None
-    if source is not None:
-        st = os.stat(source)
-        fileKey = [source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return [__version__, fileKey, [environ.get(n) for n in _CACHE_ENV]]
-
-
-def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
-    """The policy and its config's source, parsing the config only when it changed.
-
-    The hook runs on every file-tool call; parsing and validating TOML costs
-    more than its whole budget.  The cache sits in the state dir, which sessions
-    cannot write; it is ignored when the policy it holds would let a session
-    write it, or when it is not a private file of this user.  Raises
-    ``PolicyUnavailable`` (carrying the ConfigError's text) when the config
-    cannot be loaded.
-    """
-    path = os.path.join(Paths.fromEnvironment(environ).stateDir, _CACHE_NAME)
-    try:
-        key = _cacheKey(environ)
-    except OSError:
-        key = None
-    if key is not None:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-                    data = json.loads(f.read())
-                    if data.get("key") == key:
-                        policy = Policy.fromDict(data["policy"], environ)
-                        if not policy.writable(path, "/"):
-                            return policy, str(data["source"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    from agentsandbox.config import ConfigError, load
-
-    try:
-        config = load(None, environ)
-    except ConfigError as e:
-        raise PolicyUnavailable(str(e)) from None
-    policy = Policy.fromConfig(config, environ)
-    if key is not None and not policy.writable(path, "/"):
-        _writeCache(path, {"key": key, "source": config.source, "policy": policy.toDict()})
-    return policy, config.source
-
-
-def _writeCache(path: str, data: dict[str, object]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass

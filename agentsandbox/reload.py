@@ -1,8 +1,12 @@
 """Live config: a holder of the current config, and a service that reloads it.
 
-The proxy (and the injector) read ``holder.current`` when a new connection
-arrives, so a reload changes the allow list and limits for new connections
-while open tunnels keep what they were granted.  The watcher reloads on
+This is the one reload path.  The watcher is the holder's only writer; every
+child of the service is handed the same holder and follows it itself: one that
+keeps derived state subscribes (the injection service, the broker's policy, the
+restart notice, the proxy's endpoint warning), one that decides per connection
+reads ``holder.current`` (the proxy, once per connection, so a reload changes
+the allow list and limits for new connections while open tunnels keep what
+they were granted).  Nobody pushes a config into a child.  The watcher reloads on
 inotify events for the config file and on SIGHUP.  A broken file keeps the old
 config and logs the error with the file and the key (``ConfigError`` says
 both).

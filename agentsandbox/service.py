@@ -1,4 +1,11 @@
-"""The one reactor application: proxy, broker, token keepers, config watcher, audit log.
+"""The one reactor application, composed: watcher, injection, proxy, broker, audit log.
+
+This module builds the children and adds them; it pushes nothing into them.
+Each child is handed the one ``ConfigHolder`` (``reload.py``) and follows
+reloads itself: the proxy reads ``holder.current`` per connection and
+subscribes for what it keeps, ``InjectionService`` (``egress/injection.py``)
+swaps the token keepers, CA and routes, and ``BrokerService`` rebuilds its
+policy.  ``RestartNotice`` says which changed keys wait for a restart.
 
 ``makeService(config, reactor=...)`` returns the ``MultiService`` that twistd,
 ``agentsandbox serve`` and the tests run.  Every outside effect is injectable
@@ -11,10 +18,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import asdict
 from typing import Any
 
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -23,12 +29,12 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
 from agentsandbox.egress.dial import tcpDialer
+from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.paths import locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
-from agentsandbox.tokens import TokenKeepers
 
 log = Logger(namespace="agentsandbox.service")
 
@@ -58,11 +64,54 @@ class CountingAudit:
         self.audit.close()
 
 
+class RestartNotice(Service):
+    """Says which changed keys wait for a restart: what the composition builds once.
+
+    The audit log, the broker's spool, ops and scope and the proxy's listening
+    endpoint are made once, from the config in force at start; the keys the
+    children follow live (``docs/service.md`` has the table) are theirs to follow.
+    """
+
+    def __init__(self, holder: ConfigHolder) -> None:
+        self.holder = holder
+
+    def startService(self) -> None:
+        super().startService()
+        self.holder.subscribe(self._configChanged)
+
+    def stopService(self) -> None:
+        self.holder.unsubscribe(self._configChanged)
+        super().stopService()
+
+    def _configChanged(self, old: Config, new: Config) -> None:
+        pending = [
+            name
+            for name, changed in (
+                ("[broker]", new.broker != old.broker),
+                ("[scope]", new.scope != old.scope),
+                ("proxy.port/proxy.listen", new.proxy.endpoint != old.proxy.endpoint),
+                ("[audit]", new.audit != old.audit),
+            )
+            if changed
+        ]
+        if pending:
+            log.warn(
+                "config: {what} changes take effect when the service restarts "
+                "(systemctl --user restart agentsandbox)",
+                what=", ".join(pending),
+            )
+
+
 class AgentSandbox(MultiService):
-    """The whole service.  Children start in order and stop in reverse:
-    the broker stops first (its in-flight requests are answered "broker
-    stopping"), then the proxy (listening stops, tunnels close), the token
-    keepers and the watcher."""
+    """The whole service, composed: it builds the children and adds them.
+
+    Every child is handed the one ``ConfigHolder`` and follows reloads on its
+    own subscription; nothing is pushed into a child from here.  Children
+    start in order and stop in reverse: the broker stops first (its in-flight
+    requests are answered "broker stopping", its host commands get
+    ``STOP_GRACE``), then the proxy (listening stops, tunnels close), the
+    injection service (token keepers, pooled upstreams) and the watcher.
+    """
 
     def __init__(
         self,
@@ -85,9 +134,7 @@ class AgentSandbox(MultiService):
         self.environ = dict(os.environ if environ is None else environ)
         self.holder = ConfigHolder(config)
         self.audit = CountingAudit(AuditLog.fromConfig(config))
-        self.dialer: IDialer = dialer if dialer is not None else tcpDialer(reactor)
-        self.upstreamTrust = upstreamTrust
-        self._clock = clock
+        dialer = dialer if dialer is not None else tcpDialer(reactor)
         #: Why the proxy could not listen (None while it listens or has not tried).
         self.startFailure: str | None = None
         self._listeningPort: Any = None
@@ -107,16 +154,18 @@ class AgentSandbox(MultiService):
             self.watcher.setServiceParent(self)
         else:
             self.watcher = None
+        RestartNotice(self.holder).setServiceParent(self)
 
-        self.tokens = TokenKeepers(config.inject, reactor, clock, self.environ)
-        self.tokens.setServiceParent(self)
+        self.injection = InjectionService(
+            self.holder, reactor, clock=clock, environ=self.environ, dialer=dialer, upstreamTrust=upstreamTrust
+        )
+        self.injection.setServiceParent(self)
 
-        self.injection = _Injection(config, self.tokens, self.dialer, reactor, upstreamTrust)
         self.proxyFactory = EgressProxyFactory(
             self.holder,
             reactor,
             resolver=resolver,
-            dialer=self.dialer,
+            dialer=dialer,
             peers=peers,
             terminator=self.injection.injector,
             audit=self.audit,  # type: ignore[arg-type]
@@ -126,19 +175,22 @@ class AgentSandbox(MultiService):
         )
         self.proxy.setServiceParent(self)
 
-        self.broker = BrokerService(config, reactor=reactor, clock=clock, procDir=procDir, environ=self.environ)
-        self.broker.statusSources["proxy"] = self.proxyFigures
-        self.broker.statusSources["tokens"] = self.tokenFigures
+        self.broker = BrokerService(
+            self.holder,
+            reactor=reactor,
+            clock=clock,
+            procDir=procDir,
+            environ=self.environ,
+            stopGrace=STOP_GRACE,
+            statusSources={"proxy": self.proxyFigures, "tokens": self.injection.tokenFigures},
+        )
         self.broker.setServiceParent(self)
-
-        self.holder.subscribe(self._configChanged)
 
     # ------------------------------------------------------------------ lifecycle
 
     def startService(self) -> None:
-        config = self.holder.current
-        Policy.fromConfig(config, self.environ).mountPoints()
-        self.injection.writeEgressDir(config)
+        # A layout the sandbox cannot mount refuses to start, before any child does.
+        Policy.fromConfig(self.holder.current, self.environ).mountPoints()
         self.startFailure = None
         self._listeningPort = None
         self._listeningFailure = None
@@ -170,18 +222,10 @@ class AgentSandbox(MultiService):
 
     @inlineCallbacks
     def stopService(self) -> Any:
-        # A stopping broker waits for its host commands; one that ignores
-        # SIGTERM (or gets it between fork and exec, where Twisted's handler
-        # still eats it) would hold the stop for the whole killDelay.
-        host = self.broker.host
-        killDelay, host.killDelay = host.killDelay, min(host.killDelay, STOP_GRACE)
         try:
             yield super().stopService()
         finally:
-            host.killDelay = killDelay
-        if self.injection.injector is not None:
-            yield self.injection.injector.closeIdle()
-        self.audit.close()
+            self.audit.close()
 
     @property
     def listening(self) -> Deferred[Any]:
@@ -193,39 +237,6 @@ class AgentSandbox(MultiService):
         d: Deferred[Any] = Deferred()
         self._listeningWaiters.append(d)
         return d
-
-    # ------------------------------------------------------------------ reload
-
-    def _configChanged(self, old: Config, new: Config) -> None:
-        if new.inject != old.inject:
-            retired = self.tokens
-            self.tokens = TokenKeepers(new.inject, self.reactor, self._clock, self.environ)
-            self.tokens.setServiceParent(self)
-            self.injection.rebuild(new, self.tokens)
-            self.proxyFactory.terminator = self.injection.injector
-            self.injection.writeEgressDir(new)
-            retired.disownServiceParent()
-            log.info("config: inject rules reloaded for {hosts}", hosts=", ".join(h for r in new.inject for h in r.hosts) or "no host")
-        if new.sandbox != old.sandbox or new.paths != old.paths:
-            # The broker's own check (a host command's cwd must be readable)
-            # follows the file at once: a narrowed policy must not wait for a restart.
-            self.broker.host.policy = Policy.fromConfig(new, self.environ)
-        pending = [
-            name
-            for name, changed in (
-                ("[broker]", new.broker != old.broker),
-                ("[scope]", new.scope != old.scope),
-                ("proxy.port/proxy.listen", new.proxy.endpoint != old.proxy.endpoint),
-                ("[audit]", new.audit != old.audit),
-            )
-            if changed
-        ]
-        if pending:
-            log.warn(
-                "config: {what} changes take effect when the service restarts "
-                "(systemctl --user restart agentsandbox)",
-                what=", ".join(pending),
-            )
 
     # ------------------------------------------------------------------ status
 
@@ -243,58 +254,8 @@ class AgentSandbox(MultiService):
             "failed": events["failed"],
             "bytesUp": self.audit.bytesUp + sum(t.up for t in open_),
             "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),
-            "injectedRequests": self.injection.requests(),
+            "injectedRequests": self.injection.injectedRequests(),
         }
-
-    def tokenFigures(self) -> list[dict[str, Any]]:
-        return [dict(asdict(s), describe=s.describe()) for s in self.tokens.statuses()]
-
-
-class _Injection:
-    """The CA and the injector, rebuilt together when the inject rules change.
-
-    The CA is made in memory for exactly the injected hosts and never written
-    anywhere but its certificate; a new host set means a new CA, so the
-    egress dir is rewritten with it.
-    """
-
-    def __init__(self, config: Config, tokens: TokenKeepers, dialer: IDialer, reactor: Any, upstreamTrust: bytes | None) -> None:
-        self.dialer = dialer
-        self.reactor = reactor
-        self.upstreamTrust = upstreamTrust
-        self.injector: Any = None
-        self.ca: Any = None
-        self.rebuild(config, tokens)
-
-    def rebuild(self, config: Config, tokens: TokenKeepers) -> None:
-        from agentsandbox.egress.inject import Injector, routesFor
-        from agentsandbox.egress.tls import InjectionCA
-
-        hosts = tuple(h for rule in config.inject for h in rule.hosts)
-        routes = routesFor(config.inject, lambda rule: tokens.keeperFor(rule.token))
-        if hosts and (self.ca is None or set(self.ca.hosts) != set(hosts)):
-            self.ca = InjectionCA.create(hosts)
-        if not hosts:
-            self.ca = None
-            self.injector = None
-        elif self.injector is None:
-            self.injector = Injector(self.ca, routes, self.dialer, self.reactor, upstreamTrust=self.upstreamTrust)
-        else:
-            self.injector.swap(self.ca, routes)
-
-    def writeEgressDir(self, config: Config) -> None:
-        from agentsandbox.egressdir import writeEgressDir, writeWrappers
-        from agentsandbox.policy import executable
-
-        egress = config.paths.egressDir
-        if egress is None:
-            log.warn("no XDG_RUNTIME_DIR: the egress dir (CA bundle, gh config) is not written")
-            return
-        writeEgressDir(egress, self.ca.pem if self.ca is not None else b"")
-        writeWrappers(egress, executable())
-
-    def requests(self) -> int:
-        return self.injector.injectedRequests if self.injector is not None else 0
 
 
 def makeService(config: Config, reactor: Any = None, **kwargs: Any) -> AgentSandbox:

@@ -3,7 +3,9 @@
 #
 # The renderer reads its environment: home paths come out as `~/…` (so any
 # build-time HOME gives the same file), the runtime dir as `//run/user/*/…`
-# (any /run/user/N does), and the hooks' command is AGENTSANDBOX_EXE.  The one
+# (any /run/user/N does), and the hooks' command is AGENTSANDBOX_EXE (the
+# PreToolUse hook runs the package's Python on its hookstart.py, handing it
+# AGENTSANDBOX_EXE: both are store paths, so every user gets them).  The one
 # thing that matters is where the config will live on the target machine: a
 # config under home (home-manager's ~/.config/agentsandbox/config.toml) is
 # itself re-allowed for reading, one in /etc is not.  So `configPath` names

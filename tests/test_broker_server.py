@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from twisted.internet import defer, reactor, task, threads
@@ -24,6 +25,7 @@ from agentsandbox.broker import client, procfs
 from agentsandbox.broker import spool as wire
 from agentsandbox.broker.server import STOPPING, BrokerService
 from agentsandbox.broker.spool import Request
+from agentsandbox.reload import ConfigHolder
 from tests.support.broker_support import (
     Held,
     asyncTest,
@@ -75,7 +77,8 @@ class BrokerCase(unittest.TestCase):
         args: dict[str, Any] = {"holderInterval": 0.2, "killDelay": 0.5, "environ": dict(os.environ)}
         args.update(self.serviceArgs)
         args.update(overrides)
-        self.service = BrokerService(self.config, reactor=reactor, **args)
+        self.holder = ConfigHolder(self.config)
+        self.service = BrokerService(self.holder, reactor=reactor, **args)
         self.service.startService()
         self.addCleanup(self.service.stopService)
         return self.service.ready
@@ -622,3 +625,56 @@ class TimeoutTests(BrokerCase):
         self.assertEqual((out, code), (b"partial\n", 1))
         self.assertIn(b"timed out after 0.3s", err)
 
+
+
+class ReloadTests(BrokerCase):
+    """The broker follows the holder it was built with (BrokerCase hands it one): nobody sets its policy or killDelay from outside."""
+
+    broker = RUN
+    serviceArgs: ClassVar[dict[str, Any]] = {"killDelay": 30.0, "stopGrace": 0.25}
+
+    def test_aSwapReachesTheBrokersOwnPolicy(self) -> None:
+        project = os.path.join(self.base, "home", "project")
+        os.makedirs(project)
+        self.assertTrue(self.service.host.policy.readable(project, project))
+        self.holder.swap(replace(self.config, sandbox=replace(self.config.sandbox, deny=(project,))))
+        self.assertFalse(self.service.host.policy.readable(project, project))
+        # A change the broker does not read leaves its policy as it was.
+        policy = self.service.host.policy
+        self.holder.swap(replace(self.holder.current, audit=replace(self.config.audit, keep=self.config.audit.keep + 1)))
+        self.assertIs(self.service.host.policy, policy)
+        self.holder.swap(self.config)
+        self.assertTrue(self.service.host.policy.readable(project, project))
+
+    def test_aSwapBeforeStartIsTakenAtStart(self) -> None:
+        base = tempBase()
+        self.addCleanup(shutil.rmtree, base, True)
+        config = makeConfig(base)
+        project = os.path.join(base, "home", "project")
+        os.makedirs(project)
+        holder = ConfigHolder(config)
+        broker = BrokerService(holder, reactor=reactor, environ=dict(os.environ))
+        holder.swap(replace(config, sandbox=replace(config.sandbox, deny=(project,))))
+        self.assertTrue(broker.host.policy.readable(project, project))
+        broker.startService()
+        self.addCleanup(broker.stopService)
+        self.assertFalse(broker.host.policy.readable(project, project))
+
+    @asyncTest
+    async def test_aStoppedBrokerNoLongerFollowsAndItsStopGraceIsItsOwn(self) -> None:
+        mark = os.path.join(self.base, "mark")
+        call = self.call(Request(op="run", args=("stubborn", mark)))
+        call.addErrback(lambda f: f.trap(client.BrokerError))
+        await until(lambda: readText(mark).strip(), what="the host command to start")
+        pid = int(readText(mark))
+        stopping = self.service.stopService()
+        # While it stops, a host command that ignores SIGTERM gets stopGrace, not killDelay ...
+        self.assertEqual(self.service.host.killDelay, 0.25)
+        await stopping
+        self.assertFalse(_alive(pid))
+        # ... and afterwards the usual killDelay is back.
+        self.assertEqual(self.service.host.killDelay, 30.0)
+        await call
+        policy = self.service.host.policy
+        self.holder.swap(replace(self.config, sandbox=replace(self.config.sandbox, deny=(self.base,))))
+        self.assertIs(self.service.host.policy, policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,17 @@ def test_settings_shape(user: User) -> None:
     (pre,) = s["hooks"]["PreToolUse"]
     assert pre["matcher"] == "Read|Grep|Glob|Edit|MultiEdit|Write|NotebookEdit"
     (hook,) = pre["hooks"]
+    # The interpreter rendering it, isolated and without site, on this package's hookstart.py.
     assert hook == {
         "type": "command",
-        "command": "/usr/bin/agentsandbox",
-        "args": ["hook", "pretooluse"],
+        "command": sys.executable,
+        "args": ["-I", "-S", str(Path(claude.__file__).resolve().parent / "hookstart.py"),
+                 "/usr/bin/agentsandbox", "pretooluse"],
         "timeout": 10,
         "onFailure": "block",
     }
     (start,) = s["hooks"]["SessionStart"]
+    assert start["hooks"][0]["command"] == "/usr/bin/agentsandbox"
     assert start["hooks"][0]["args"] == ["hook", "sessionstart"]
     assert "credentials" not in json.dumps(s["sandbox"])
     assert "tlsTerminate" not in json.dumps(s)

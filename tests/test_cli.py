@@ -104,7 +104,9 @@ def test_the_exit_status_of_a_config_error_is_in_the_help(user: User) -> None:
 def test_render_claude_and_srt(user: User) -> None:
     user.writeConfig('[sandbox]\nread = ["~/projects"]\n')
     claude = json.loads(cli(user, "render", "claude").stdout)
-    assert claude["hooks"]["PreToolUse"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
+    # PreToolUse runs the interpreter on hookstart.py, handing it the command; SessionStart runs it.
+    assert claude["hooks"]["PreToolUse"][0]["hooks"][0]["args"][-2:] == ["/usr/bin/agentsandbox", "pretooluse"]
+    assert claude["hooks"]["SessionStart"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
     assert "~/projects" in claude["sandbox"]["filesystem"]["allowRead"]
     srt = json.loads(cli(user, "render", "srt").stdout)
     assert str(user.home / "projects") in srt["filesystem"]["allowRead"]

@@ -112,13 +112,33 @@ class Recorder(Protocol):
 
 @implementer(ITerminator)
 class FakeTerminator:
-    def __init__(self) -> None:
+    """Terminates ``hosts`` on 443, whatever the proxy's config says (the proxy asks it alone)."""
+
+    def __init__(self, hosts: Sequence[str] = ("api.github.com",)) -> None:
+        self.hosts = set(hosts)
+        self.asked: list[tuple[str, int]] = []
         self.calls: list[tuple[str, list[str]]] = []
         self.fed: list[tuple[str, Any]] = []
+
+    def injects(self, host: str, port: int) -> bool:
+        self.asked.append((host, port))
+        return port == 443 and host in self.hosts
 
     def terminate(self, host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         self.calls.append((host, [str(a) for a in addresses]))
         return Recorder(self.fed)
+
+
+def injectGitHub(h: ProxyHarness) -> None:
+    """Swap in a config with an inject rule for api.github.com (the proxy's own, not the terminator's)."""
+    from tests.support.egress_fixtures import makeConfig
+
+    h.factory.holder.swap(
+        makeConfig(
+            '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
+            'format = "token {token}"\ntoken_env = "T"\n'
+        )
+    )
 
 
 class BaseProxyTest(TestCase):
@@ -327,15 +347,7 @@ class HttpTests(BaseProxyTest):
             terminator=term,
             config=None,
         )
-        # build a config with an inject rule for api.github.com
-        from tests.support.egress_fixtures import makeConfig
-
-        h.factory.holder.swap(
-            makeConfig(
-                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
-                'format = "token {token}"\ntoken_env = "T"\n'
-            )
-        )
+        injectGitHub(h)
         out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
         self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nterminated:hello")
         self.assertEqual(term.calls, [("api.github.com", ["192.0.2.10"])])
@@ -348,18 +360,43 @@ class HttpTests(BaseProxyTest):
     @deferredTest
     async def test_injectedHostWithoutTerminatorRefused(self) -> None:
         h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]})
-        from tests.support.egress_fixtures import makeConfig
-
-        h.factory.holder.swap(
-            makeConfig(
-                '[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\n'
-                'format = "token {token}"\ntoken_env = "T"\n'
-            )
-        )
+        injectGitHub(h)
         out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403 Forbidden", out)
         self.assertIn(b"without the TLS terminator", out)
         self.assertEqual(h.dialer.dialled, [])
+
+    @deferredTest
+    async def test_theTerminatorAloneSaysWhichTunnelIsTerminated(self) -> None:
+        # The connection's config has an inject rule for api.github.com, but
+        # the terminator (the routes in force now) says no: the proxy asks it
+        # alone, once per tunnel, and splices the tunnel as for any listed host.
+        term = FakeTerminator(hosts=())
+        h = await self.proxy(["api.github.com"], table={"api.github.com": ["192.0.2.10"]}, terminator=term)
+        injectGitHub(h)
+        out = await exchange(h.port, b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
+        self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nhello")
+        self.assertEqual(term.asked, [("api.github.com", 443)])
+        self.assertEqual(term.calls, [])
+        self.assertEqual(len(h.dialer.dialled), 1)
+
+    @deferredTest
+    async def test_aHostTheTerminatorInjectsIsHandedOverOnItsPortOnly(self) -> None:
+        # No inject rule in the connection's config: the terminator's yes is
+        # what hands the tunnel over, and its no on another port is dialled.
+        term = FakeTerminator(hosts=("echo.example.org",))
+        h = await self.proxy(
+            ["echo.example.org:443", "echo.example.org:8443"],
+            routes=[("192.0.2.10", 443), ("192.0.2.10", 8443)],
+            terminator=term,
+        )
+        out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\nhello")
+        self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nterminated:hello")
+        out = await exchange(h.port, b"CONNECT echo.example.org:8443 HTTP/1.1\r\nHost: x\r\n\r\nplain")
+        self.assertEqual(out, b"HTTP/1.1 200 Connection established\r\n\r\nplain")
+        self.assertEqual(term.asked, [("echo.example.org", 443), ("echo.example.org", 8443)])
+        self.assertEqual(term.calls, [("echo.example.org", ["192.0.2.10"])])
+        self.assertEqual(len(h.dialer.dialled), 1)
 
     @deferredTest
     async def test_peerRefused(self) -> None:
@@ -516,13 +553,9 @@ class ServiceTests(TestCase):
 
     @deferredTest
     async def test_socksInjectRefusalIsRuleset(self) -> None:
-        from tests.support.egress_fixtures import makeConfig
-
         h = ProxyHarness(["api.github.com"], FixedResolver({"api.github.com": ["192.0.2.10"]}))
         await h.start()
         self.addCleanup(h.stop)
-        h.factory.holder.swap(
-            makeConfig('[sandbox]\ndomains = ["api.github.com"]\n[[inject]]\nhosts = ["api.github.com"]\nformat = "token {token}"\ntoken_env = "T"\n')
-        )
+        injectGitHub(h)
         out = await exchange(h.port, socksConnect(b"api.github.com", 443))
         self.assertEqual(out, b"\x05\x00" + socksReply(2))

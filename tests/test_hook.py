@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from agentsandbox import claude, hook
-from agentsandbox.policy import Policy, cachedPolicy
+from agentsandbox.hook import cachedPolicy
+from agentsandbox.policy import Policy
 from tests.conftest import REPO, User
 
 
@@ -212,7 +213,7 @@ def test_a_forged_cache_is_ignored_when_sessions_could_write_it(user: User) -> N
     policy, _ = cachedPolicy(user.env)
     cache = user.home / ".local/state/agentsandbox/policy-cache.json"
     assert not cache.exists(), "a cache sessions could write is never written"
-    from agentsandbox.policy import _cacheKey
+    from agentsandbox.hook import _cacheKey
 
     forged = dict(policy.toDict(), read=[str(user.home)])
     cache.write_text(json.dumps({"key": _cacheKey(user.env), "source": "x", "policy": forged}))
@@ -221,7 +222,7 @@ def test_a_forged_cache_is_ignored_when_sessions_could_write_it(user: User) -> N
 
 
 def test_a_group_writable_cache_is_ignored(configured: User) -> None:
-    from agentsandbox.policy import _cacheKey
+    from agentsandbox.hook import _cacheKey
 
     policy, _ = cachedPolicy(configured.env)
     cache = configured.home / ".local/state/agentsandbox/policy-cache.json"

@@ -187,7 +187,7 @@ def test_any_event_gets_exit_0_and_a_valid_answer(world: User, data: st.DataObje
     assert status == 0
     reason = checkOutput(stdout)
     if reason is None:
-        from agentsandbox.policy import cachedPolicy
+        from agentsandbox.hook import cachedPolicy
 
         policy, _ = cachedPolicy(world.env)
         assert not mustDeny(policy, event, home), f"allowed {event!r}"

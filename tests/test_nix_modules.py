@@ -293,7 +293,11 @@ def test_nixos_dropin_is_what_the_renderer_gives_every_user(
         assert built == renderAsUser(package, home, toml), user
     settings = json.loads(built)
     assert settings["sandbox"]["network"]["allowedDomains"] == SETTINGS["sandbox"]["domains"]
-    assert settings["hooks"]["PreToolUse"][0]["hooks"][0]["command"] == package.exe
+    # PreToolUse: the package's interpreter on its hookstart.py, handed the package's command.
+    pre = settings["hooks"]["PreToolUse"][0]["hooks"][0]
+    assert pre["command"] == sys.executable
+    assert pre["args"] == ["-I", "-S", str(REPO / "agentsandbox" / "hookstart.py"), package.exe, "pretooluse"]
+    assert settings["hooks"]["SessionStart"][0]["hooks"][0]["command"] == package.exe
     print(f"checked: the NixOS drop-in ({len(built)} bytes) equals `agentsandbox render claude` for alice and bob")
 
 

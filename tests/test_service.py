@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import Any, cast
 
 from twisted.internet import defer, reactor, threads
@@ -252,7 +253,7 @@ class ProxyTests(ServiceCase):
 
     @asyncTest
     async def test_injectedRequestCarriesTheTokenTheClientNeverHad(self) -> None:
-        await until(lambda: self.service.tokens.statuses()[0].present, what="the token keeper's first fetch")
+        await until(lambda: self.service.injection.tokens.statuses()[0].present, what="the token keeper's first fetch")
         egress = self.config.paths.egressDir
         assert egress is not None
         proxy = f"http://127.0.0.1:{self.proxyPort}"
@@ -287,7 +288,7 @@ class BrokerTests(ServiceCase):
         held.send(b"y" * 500)
         await until(lambda: len(held.received) >= 500, what="the held tunnel's echo")
         await until(lambda: self.service.proxyFigures()["tunnelsClosed"] == 1, what="the closed tunnel's record")
-        await until(lambda: self.service.tokens.statuses()[0].present, what="the token")
+        await until(lambda: self.service.injection.tokens.statuses()[0].present, what="the token")
         egress = self.config.paths.egressDir
         assert egress is not None
         env = {"PATH": self.env["PATH"], "HTTPS_PROXY": f"http://127.0.0.1:{self.proxyPort}", **egressVars(egress)}
@@ -326,7 +327,7 @@ class BrokerTests(ServiceCase):
         self.service.startService()
         await self.service.listening
         await self.service.broker.ready
-        await until(lambda: self.service.tokens.statuses()[0].failures, what="the failed fetch")
+        await until(lambda: self.service.injection.tokens.statuses()[0].failures, what="the failed fetch")
         (token,) = (await self.status())["tokens"]
         self.assertFalse(token["present"])
         self.assertIn(TOKEN_VAR, token["lastError"])
@@ -384,6 +385,45 @@ class ReloadTests(ServiceCase):
         assert t.transport is not None
         t.transport.loseConnection()
         await t.closed
+
+
+class CompositionTests(ServiceCase):
+    """service.py composes: every reload listener on the holder is a child's own."""
+
+    def test_everyListenerOfTheHolderIsAChildsOwn(self) -> None:
+        from agentsandbox.broker.server import BrokerService
+        from agentsandbox.egress.injection import InjectionService
+        from agentsandbox.egress.proxy import ProxyService
+        from agentsandbox.service import RestartNotice
+
+        owners = [getattr(listener, "__self__", None) for listener in self.service.holder._listeners]
+        children = list(self.service)
+        for owner in owners:
+            self.assertIn(owner, children)
+        self.assertEqual(
+            sorted(type(owner).__name__ for owner in owners),
+            sorted(c.__name__ for c in (BrokerService, InjectionService, ProxyService, RestartNotice)),
+        )
+        # The proxy's terminator is the injection service's injector, for the service's life.
+        self.assertIs(self.service.proxyFactory.terminator, self.service.injection.injector)
+
+    @asyncTest
+    async def test_anInjectReloadKeepsTheTerminatorAndNeedsNoRestart(self) -> None:
+        from twisted.logger import ILogObserver, globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        injector = self.service.injection.injector
+        self.assertTrue(injector.injects("api.github.com", 443))
+        config = self.service.holder.current
+        self.service.holder.swap(replace(config, inject=()))
+        self.assertIs(self.service.proxyFactory.terminator, injector)
+        self.assertFalse(injector.injects("api.github.com", 443))
+        self.service.holder.swap(config)
+        self.assertTrue(injector.injects("api.github.com", 443))
+        self.assertEqual([e for e in events if "restarts" in e.get("log_format", "")], [])
 
 
 class StartFailureTests(ServiceCase):

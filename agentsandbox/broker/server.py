@@ -14,6 +14,12 @@ queue overflow lost.  Every request is answered on its own, side by side:
 4. act for that process; a call whose holder lets go is ended (SIGTERM, SIGKILL
    after ``killDelay``) and gets no reply;
 5. write the reply to ``<id>.reply.tmp`` and rename it into place.
+
+Given a ``ConfigHolder``, the broker follows reloads itself: a change to
+``sandbox.*`` or the paths rebuilds the policy its own checks use (a host
+command's cwd must be readable); ``[broker]`` and ``[scope]`` stay as they
+were at start.  ``stopGrace`` bounds the SIGTERM-to-SIGKILL wait of host
+commands while the broker stops.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from twisted.application import service
@@ -40,6 +46,7 @@ from agentsandbox.broker.ops import OPS, Call, Host, Op, OpError
 from agentsandbox.broker.spool import Reply, WireError
 from agentsandbox.config import Config
 from agentsandbox.policy import Policy
+from agentsandbox.reload import ConfigHolder, asHolder
 
 T = TypeVar("T")
 
@@ -74,7 +81,7 @@ class BrokerService(service.Service):
 
     def __init__(
         self,
-        config: Config,
+        config: Config | ConfigHolder,
         reactor: Any = None,
         clock: IReactorTime | None = None,
         procDir: str = "/proc",
@@ -85,12 +92,19 @@ class BrokerService(service.Service):
         killDelay: float = 10.0,
         uid: int | None = None,
         ops: dict[str, Op] | None = None,
+        stopGrace: float | None = None,
+        statusSources: Mapping[str, Callable[[], Any]] | None = None,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor as defaultReactor
 
             reactor = defaultReactor
+        self.holder = asHolder(config)
+        config = self.holder.current
         self.config = config
+        #: Seconds a host command gets between SIGTERM and SIGKILL while the
+        #: broker stops (None: its usual ``killDelay``).
+        self.stopGrace = stopGrace
         self.reactor = reactor
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.procDir = procDir
@@ -102,8 +116,8 @@ class BrokerService(service.Service):
         self.uid = os.getuid() if uid is None else uid
         self.ops = OPS if ops is None else ops
         self.stats = Stats()
-        #: Extra figures for ``status`` (the service adds the proxy's): name -> callable.
-        self.statusSources: dict[str, Callable[[], Any]] = {}
+        #: Extra figures for ``status`` (the service's proxy and tokens): name -> callable.
+        self.statusSources: dict[str, Callable[[], Any]] = dict(statusSources or {})
         self.inFlight: dict[str, Deferred[Any]] = {}
         self.ready: Deferred[None] = Deferred()
         self._started = 0.0
@@ -124,6 +138,7 @@ class BrokerService(service.Service):
             status=self.statusReport,
             policy=Policy.fromConfig(config, environ=self.environ),
         )
+        self._policyFrom = config
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,6 +153,10 @@ class BrokerService(service.Service):
                 "waits on inotify"
             )
         prepareSpool(self.spool, self.uid)
+        current = self.holder.current
+        if _policyChanged(self._policyFrom, current):
+            self._adoptPolicy(current)
+        self.holder.subscribe(self._configChanged)
         super().startService()
         self._stopping = False
         self._started = self.clock.seconds()
@@ -173,7 +192,14 @@ class BrokerService(service.Service):
         if not self.running:
             return defer.succeed(None)
         super().stopService()
+        self.holder.unsubscribe(self._configChanged)
         self._stopping = True
+        # A stopping broker waits for its host commands; one that ignores
+        # SIGTERM (or gets it between fork and exec, where Twisted's handler
+        # still eats it) would hold the stop for the whole killDelay.
+        killDelay = self.host.killDelay
+        if self.stopGrace is not None:
+            self.host.killDelay = min(killDelay, self.stopGrace)
         if self._inotify is not None:
             self._inotify.loseConnection()
             self._inotify = None
@@ -187,7 +213,24 @@ class BrokerService(service.Service):
         running = list(self.host.running)
         done: Deferred[Any] = defer.DeferredList(running, consumeErrors=True)
         done.addBoth(lambda _: self._pool.stop())
-        return done.addCallback(lambda _: None)
+
+        def stopped(result: object) -> object:
+            self.host.killDelay = killDelay
+            return result
+
+        return done.addBoth(stopped).addCallback(lambda _: None)
+
+    # ------------------------------------------------------------------ reload
+
+    def _configChanged(self, old: Config, new: Config) -> None:
+        if _policyChanged(old, new):
+            self._adoptPolicy(new)
+
+    def _adoptPolicy(self, config: Config) -> None:
+        # The broker's own check (a host command's cwd must be readable)
+        # follows the file at once: a narrowed policy must not wait for a restart.
+        self.host.policy = Policy.fromConfig(config, environ=self.environ)
+        self._policyFrom = config
 
     def inThread(self, f: Callable[..., T], *args: Any) -> Deferred[T]:
         return threads.deferToThreadPool(self.reactor, self._pool, f, *args)
@@ -402,6 +445,10 @@ class BrokerService(service.Service):
 
 
 # --------------------------------------------------------------------------- file work
+
+
+def _policyChanged(old: Config, new: Config) -> bool:
+    return new.sandbox != old.sandbox or new.paths != old.paths
 
 
 def prepareSpool(directory: str, uid: int) -> None:

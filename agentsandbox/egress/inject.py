@@ -1,7 +1,10 @@
 """TLS termination and header injection for the hosts that have an inject rule.
 
-The proxy grants a tunnel to ``host:443`` and, when ``host`` has an inject
-rule, hands the client's connection to ``Injector.terminate``.  From there:
+The proxy grants a tunnel to ``host:443`` and, when ``Injector.injects`` says
+the host has a route now, hands the client's connection to
+``Injector.terminate`` in the same breath.  The routes (and the CA made for
+their hosts) are ``InjectionService``'s to swap on reload (``injection.py``).
+From there:
 
 1. The client gets our TLS: the host's leaf from the in-memory CA, whatever
    SNI it sent, ALPN ``http/1.1`` only (``tls.py``).
@@ -150,14 +153,16 @@ class Injector:
     ``dialer`` reaches a checked address (the proxy's, or a test's that maps
     addresses to loopback); ``upstreamTrust`` is the upstream trust in PEM (the
     system's roots when None; tests pass their own CA here, never through
-    config).  ``clock`` (default: ``reactor``) times the tunnel's idle timeout
-    and the upstream's handshake and pool timeouts; the dials go through
-    ``dialer``, so a test may hand in a ``task.Clock`` and keep real sockets.
+    config).  ``ca`` is None while no host is injected (``injects`` then says
+    no to every host); ``swap`` takes new routes and their CA on reload.
+    ``clock`` (default: ``reactor``) times the tunnel's idle timeout and the
+    upstream's handshake and pool timeouts; the dials go through ``dialer``, so
+    a test may hand in a ``task.Clock`` and keep real sockets.
     """
 
     def __init__(
         self,
-        ca: InjectionCA,
+        ca: InjectionCA | None,
         routes: Mapping[str, Route],
         dialer: IDialer,
         reactor: IReactorTime,
@@ -180,16 +185,20 @@ class Injector:
         #: Requests sent upstream with the rule's header set, for ``status``.
         self.injectedRequests = 0
         self._idle: dict[str, list[_Upstream]] = {}
+        #: Whether released upstreams go back to the pool; ``closeIdle`` ends it
+        #: (a tunnel closed by the stopping proxy must not refill the pool).
+        self.pooling = True
         self.ca = ca
         self.routes: Mapping[str, Route] = {}
         self.swap(ca, routes)
 
     # ------------------------------------------------------------------ config
 
-    def swap(self, ca: InjectionCA, routes: Mapping[str, Route]) -> None:
+    def swap(self, ca: InjectionCA | None, routes: Mapping[str, Route]) -> None:
         """Take new rules (and the CA made for their hosts); open tunnels keep theirs."""
-        if not set(routes) <= set(ca.hosts):
-            missing = sorted(set(routes) - set(ca.hosts))
+        constrained = set(ca.hosts) if ca is not None else set()
+        if not set(routes) <= constrained:
+            missing = sorted(set(routes) - constrained)
             raise ValueError(f"the CA is not constrained to {', '.join(missing)}")
         self.ca = ca
         self.routes = dict(routes)
@@ -198,15 +207,15 @@ class Injector:
     def hosts(self) -> tuple[str, ...]:
         return tuple(self.routes)
 
-    def injects(self, host: str, port: int) -> bool:
-        """Whether a tunnel to ``host:port`` is terminated here."""
-        return port == HTTPS_PORT and host in self.routes
-
     # ------------------------------------------------------------------ ITerminator
+
+    def injects(self, host: str, port: int) -> bool:
+        """Whether a tunnel to ``host:port`` is terminated here: the routes in force now, port 443."""
+        return port == HTTPS_PORT and host in self.routes
 
     def terminate(self, host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         route = self.routes.get(host)
-        if route is None:
+        if route is None or self.ca is None:
             raise KeyError(f"{host} has no inject rule")
         tunnel = _Tunnel(self, route, tuple(addresses))
         return TLSStream(self.ca.serverContext(host), tunnel, serverSide=True)
@@ -241,7 +250,7 @@ class Injector:
 
     def _release(self, upstream: _Upstream) -> None:
         idle = self._idle.setdefault(upstream.host, [])
-        if upstream.reusable() and len(idle) < self.poolSize:
+        if self.pooling and upstream.reusable() and len(idle) < self.poolSize:
             idle.append(upstream)
             upstream.enterIdle(self.upstreamIdleTimeout)
         else:
@@ -253,7 +262,9 @@ class Injector:
             idle.remove(upstream)
 
     def closeIdle(self) -> defer.Deferred[None]:
-        """Close every pooled upstream connection (at service stop); fires when they are gone."""
+        """Close every pooled upstream connection and pool no more (at service stop,
+        until ``pooling`` is set again); fires when they are gone."""
+        self.pooling = False
         closing = []
         for idle in self._idle.values():
             for upstream in list(idle):

@@ -4,10 +4,12 @@ The front door (proxy.py) decides: it asks an ``IPeerChecker`` whether the
 client may use the proxy at all, resolves names once through an ``IResolver``,
 checks every address, and then either splices an opaque tunnel to a checked
 address through an ``IDialer``, or hands the client's connection to an
-``ITerminator`` when the host has an inject rule and the port is 443.  The
-terminator (inject.py) dials upstream through the same ``IDialer`` and asks each
-route's ``ITokenHolder`` for the token it sets.  Tests inject every one of
-these, so no config key can point the proxy somewhere else;
+``ITerminator`` when the terminator says it ``injects`` the host and port (an
+inject rule, port 443).  That one question is the only answer to "is this host
+terminated?": the proxy asks it at the moment it decides, and ``check host``
+asks the same object the service would build.  The terminator (inject.py)
+dials upstream through the same ``IDialer`` and asks each route's
+``ITokenHolder`` for the token it sets.  Tests inject every one of these, so no config key can point the proxy somewhere else;
 ``agentsandbox.egress.testing`` ships the doubles (a table resolver, a dialer
 that maps addresses to loopback ports, a peer check that allows everyone, a
 fixed token) that this package's tests use and users' tests may too.
@@ -65,11 +67,19 @@ class ITokenHolder(Interface):
 class ITerminator(Interface):
     """Serves a granted tunnel to an injected host with our own TLS."""
 
+    def injects(host: str, port: int) -> bool:
+        """Whether a granted tunnel to ``host:port`` goes to ``terminate``.
+
+        ``host`` is the canonical tunnel host.  The answer follows reloads (the
+        routes in force now); a caller that gets True calls ``terminate`` for
+        that host before it returns to the reactor, so both see the same routes.
+        """
+
     def terminate(host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         """A fresh protocol for the client side of a granted tunnel.
 
-        ``host`` is the canonical tunnel host (it has an inject rule; the port
-        is 443); ``addresses`` are the checked addresses the upstream may be
+        ``host`` is the canonical tunnel host, one ``injects`` just said yes
+        to; ``addresses`` are the checked addresses the upstream may be
         dialled at, in order.  The proxy calls ``makeConnection`` with the
         client's transport and then feeds it every byte the client sends.
         """

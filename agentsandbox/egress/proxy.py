@@ -9,7 +9,9 @@ tunnel, which decides in this order:
 2. the cap on concurrent tunnels (``proxy.max_tunnels``);
 3. the name resolved once (``IResolver``), every address classified
    (``rules.decideAddress``): refused ranges pass only through CIDR/IP entries;
-4. injected hosts on 443 go to the ``ITerminator`` (never dialled here);
+4. hosts the ``ITerminator`` says it ``injects`` (an inject rule, port 443)
+   go to it (never dialled here), asked when the grant is made and handed
+   over at once, so the answer and the routes that serve it are the same;
    everything else is dialled at the checked addresses in order, the next one
    tried when one fails, directly or through ``proxy.parent``.
 
@@ -260,8 +262,16 @@ class FrontDoor(Protocol):
                 self.awaiting = False
                 factory.release()
                 return
-            if grant.port == 443 and self.config.injectFor(grant.host) is not None:
-                self._terminate(kind, grant, granted, refused)
+            # One question, asked of the terminator that will serve the
+            # tunnel, now: a reload between the connection's arrival and its
+            # grant cannot make the two disagree.
+            terminator = factory.terminator
+            if terminator is not None:
+                if terminator.injects(grant.host, grant.port):
+                    self._terminate(kind, grant, terminator, granted)
+                    return
+            elif grant.port == 443 and self.config.injectFor(grant.host) is not None:
+                self._noTerminator(kind, grant, refused)
                 return
 
             def connected(upstream: UpstreamProtocol) -> None:
@@ -316,21 +326,22 @@ class FrontDoor(Protocol):
         if not self.gone:
             self.transport.abortConnection()
 
+    def _noTerminator(self, kind: str, grant: Grant, refused: Callable[[Refusal], None]) -> None:
+        # A factory built without a terminator (a bare proxy) fails closed on
+        # the hosts its config injects rather than opening them without the credential.
+        self.factory.release()
+        r = Refusal(
+            "inject",
+            f"{grant.host}:443 has an inject rule ([[inject]] hosts), but this proxy runs without "
+            "the TLS terminator that injects it, so the tunnel is refused rather than opened "
+            "without the credential",
+        )
+        self.factory.record("refused", kind=kind, client=self.client, host=grant.host, port=443, reason=r.reason)
+        refused(r)
+
     def _terminate(
-        self, kind: str, grant: Grant, granted: Callable[[], None], refused: Callable[[Refusal], None]
+        self, kind: str, grant: Grant, terminator: ITerminator, granted: Callable[[], None]
     ) -> None:
-        terminator = self.factory.terminator
-        if terminator is None:
-            self.factory.release()
-            r = Refusal(
-                "inject",
-                f"{grant.host}:443 has an inject rule ([[inject]] hosts), but this proxy runs without "
-                "the TLS terminator that injects it, so the tunnel is refused rather than opened "
-                "without the credential",
-            )
-            self.factory.record("refused", kind=kind, client=self.client, host=grant.host, port=443, reason=r.reason)
-            refused(r)
-            return
         self.awaiting = False
         granted()
         protocol = terminator.terminate(grant.host, grant.addresses)

@@ -187,7 +187,12 @@ def test_the_installed_drop_in_is_the_renderers_output(package: Package) -> None
     assert text == rendered(), "root's rendering differs from what the postinst installed"
     settings = json.loads(text)
     assert settings["sandbox"]["network"]["allowedDomains"] == ["github.com", "*.github.com", "*.githubusercontent.com"]
-    assert settings["hooks"]["PreToolUse"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
+    pre = settings["hooks"]["PreToolUse"][0]["hooks"][0]
+    assert [pre["command"], *pre["args"]] == [
+        "/usr/bin/python3", "-I", "-S", "/usr/lib/python3/dist-packages/agentsandbox/hookstart.py",
+        "/usr/bin/agentsandbox", "pretooluse",
+    ]
+    assert settings["hooks"]["SessionStart"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
     assert "//run/user/*/agentsandbox/egress" in settings["sandbox"]["filesystem"]["allowRead"]
     # Nothing of root's home went in, and nothing was left there.
     assert "/root" not in text
