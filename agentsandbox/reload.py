@@ -68,8 +68,10 @@ class ConfigWatcher(Service):
     """Reloads ``holder`` from ``path`` on inotify events and SIGHUP.
 
     ``loader`` reads and validates the file (default ``config.load(path)``);
-    events are coalesced over ``settle`` seconds of the injected clock, so an
-    editor's write-then-rename reloads once.
+    events are coalesced over ``settle`` seconds of ``clock`` (default:
+    ``reactor``, which also reads inotify and hears the signal), so an editor's
+    write-then-rename reloads once, and a test advances a ``task.Clock``
+    instead of waiting.
     """
 
     log = Logger(namespace="agentsandbox.reload")
@@ -82,10 +84,12 @@ class ConfigWatcher(Service):
         loader: Callable[[], Config] | None = None,
         settle: float = 0.2,
         handleSignal: bool = True,
+        clock: IReactorTime | None = None,
     ) -> None:
         self.holder = holder
         self.path = path
         self.reactor = reactor
+        self.clock: IReactorTime = clock if clock is not None else reactor
         self.settle = settle
         self.handleSignal = handleSignal
         self._loader = loader or self._loadFile
@@ -153,8 +157,7 @@ class ConfigWatcher(Service):
         if self._pending is not None and self._pending.active():
             self._pending.reset(self.settle)
             return
-        clock: IReactorTime = self.reactor
-        self._pending = clock.callLater(self.settle, self.reload, "change of the file")
+        self._pending = self.clock.callLater(self.settle, self.reload, "change of the file")
 
     def reload(self, why: str = "request") -> bool:
         """Load the config now; keep the old one when the new one is broken."""

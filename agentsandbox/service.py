@@ -30,7 +30,7 @@ from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
 from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.injection import InjectionService
-from agentsandbox.egress.interfaces import Dialer, IResolver
+from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.paths import locateDispatchSocket
 from agentsandbox.policy import Policy
@@ -121,7 +121,7 @@ class AgentSandbox(MultiService):
         configPath: str | None = None,
         clock: Any = None,
         resolver: IResolver | None = None,
-        dialer: Dialer | None = None,
+        dialer: IDialer | None = None,
         peers: Any = None,
         upstreamTrust: bytes | None = None,
         procDir: str = "/proc",

@@ -35,8 +35,10 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from agentsandbox.config import CommandSource, EnvSource, FileSource, InjectRule, TokenSource
+from agentsandbox.egress.interfaces import ITokenHolder
 
 #: What a source may print: a header value must never carry CR, LF or spaces.
 _TOKEN = re.compile(r"[\x21-\x7e]{1,8192}")
@@ -119,6 +121,7 @@ class _CommandProtocol(ProcessProtocol):
         self._done.callback((bytes(self._out), bytes(self._err), reason))
 
 
+@implementer(ITokenHolder)
 class TokenKeeper(Service):
     """Keeps one source's token fresh.  A ``Service``: add it to the app's MultiService.
 

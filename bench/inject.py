@@ -84,9 +84,9 @@ def _upstreamTLS(workdir: str) -> ssl.SSLContext:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    from tests.support.inject_github import TestPKI
+    from agentsandbox.egress.testing import UpstreamPKI
 
-    pki = TestPKI.create("bench upstream CA")
+    pki = UpstreamPKI.create("bench upstream CA")
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 (Debian's Python has it too, this reads plainer)
     cert = (
@@ -199,15 +199,14 @@ def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
 
     from agentsandbox.config import githubRules
     from agentsandbox.egress.inject import Injector, routesFor
+    from agentsandbox.egress.testing import FixedToken, MappedDialer
     from agentsandbox.egress.tls import InjectionCA
-    from tests.support.inject_github import LoopbackDialer
-    from tests.support.inject_harness import FixedToken
 
     with open(os.path.join(workdir, "upstream-ca.pem"), "rb") as f:
         trust = f.read()
     rules = githubRules()
     ca = InjectionCA.create([h for r in rules for h in r.hosts], label="bench")
-    dialer = LoopbackDialer(reactor)
+    dialer = MappedDialer(reactor)
     dialer.map(UPSTREAM_ADDRESS, upstreamPort)
     holder = FixedToken(TOKEN)
     injector = Injector(

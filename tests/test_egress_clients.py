@@ -17,11 +17,10 @@ import pytest
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
 
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     CURL,
     GIT,
-    FixedResolver,
-    MappedDialer,
     ProxyHarness,
     curl,
     deferredTest,

@@ -16,10 +16,10 @@ from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
 from agentsandbox.egress.dial import TCPDialer, tcpDialer
+from agentsandbox.egress.testing import FixedResolver
 from agentsandbox.reload import ConfigHolder
 from tests.support.egress_fixtures import (
     Echo,
-    FixedResolver,
     ProxyHarness,
     deferredTest,
     domainsToml,

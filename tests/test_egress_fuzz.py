@@ -12,26 +12,21 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred, fail
-from twisted.internet.error import ConnectionDone, ConnectionRefusedError
-from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
-from zope.interface import implementer, provider
+from zope.interface import provider
 
 from agentsandbox.egress.proxy import EgressProxyFactory
-from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
+from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, RefusingDialer
+from tests.support.egress_fixtures import domainsToml, makeConfig
 
 CONFIG = makeConfig(domainsToml(["*.example.org", "example.net:443", "127.0.0.1:6443", "10.0.0.0/8:22"], header_timeout=5))
 RESOLVER = FixedResolver({"a.example.org": ["192.0.2.1"], "b.example.org": ["10.0.0.1", "127.0.0.1"], "example.net": ["192.0.2.2"]})
 
 
-@implementer(IStreamClientEndpoint)
-class RefusingEndpoint:
-    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
-        return fail(ConnectionRefusedError("test upstream refuses"))
 
 
 class HalfCloseTransport(StringTransport):
@@ -42,7 +37,7 @@ class HalfCloseTransport(StringTransport):
 def drive(chunks: list[bytes]) -> tuple[bytes, bool]:
     """Feed ``chunks`` to a fresh front door; returns (bytes written, closed)."""
     clock = Clock()
-    factory = EgressProxyFactory(CONFIG, clock, resolver=RESOLVER, dialer=lambda ip, port: RefusingEndpoint(), peers=AllowAllPeers())
+    factory = EgressProxyFactory(CONFIG, clock, resolver=RESOLVER, dialer=RefusingDialer(), peers=AllowAllPeers())
     factory.doStart()
     door = factory.buildProtocol(None)
     transport = HalfCloseTransport()

@@ -10,9 +10,9 @@ from zope.interface import implementer
 
 from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.splice import shutWrite
+from agentsandbox.egress.testing import FixedResolver
 from tests.support.egress_fixtures import (
     Collector,
-    FixedResolver,
     ProxyHarness,
     deferredTest,
     exchange,

@@ -13,11 +13,10 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     Collector,
     Echo,
-    FixedResolver,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     exchange,

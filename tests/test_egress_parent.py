@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     Echo,
-    FixedResolver,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     exchange,

@@ -12,13 +12,14 @@ import pytest
 from twisted.internet.protocol import Factory
 from twisted.internet.utils import getProcessOutputAndValue
 from twisted.trial.unittest import SkipTest, TestCase
+from zope.interface import implementer
 
+from agentsandbox.egress.interfaces import IPeerChecker
 from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, SockDiag, SocketTable, ownerOf
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     CURL,
     Echo,
-    FixedResolver,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     listen,
@@ -133,6 +134,7 @@ class OtherUserTests(TestCase):
         self.assertEqual(out, b"403")
 
 
+@implementer(IPeerChecker)
 class RecordingPeers:
     """Allows everyone; remembers the (client, server) pairs it was asked about."""
 

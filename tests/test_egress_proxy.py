@@ -8,11 +8,10 @@ from typing import Any, cast
 from twisted.internet.protocol import Factory
 from twisted.trial.unittest import TestCase
 
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     Echo,
-    FixedResolver,
     Greeter,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     exchange,
@@ -71,9 +70,10 @@ from twisted.internet.defer import Deferred  # noqa: E402
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol  # noqa: E402
 from twisted.internet.interfaces import IProtocol  # noqa: E402
 from twisted.internet.protocol import Protocol  # noqa: E402
+from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
-from agentsandbox.egress.interfaces import ITerminator  # noqa: E402
+from agentsandbox.egress.interfaces import IPeerChecker, ITerminator  # noqa: E402
 from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
 
@@ -286,8 +286,7 @@ class HttpTests(BaseProxyTest):
         h = await self.proxy(["echo.example.org"], proxy={"max_tunnels": 1})
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
-        while b"200" not in first.received:
-            await sleep(0.01)
+        await first.until(b"200")
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"503 Service Unavailable", out)
         self.assertIn(b"proxy.max_tunnels", out)
@@ -302,17 +301,30 @@ class HttpTests(BaseProxyTest):
 
     @deferredTest
     async def test_headerTimeout(self) -> None:
-        h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2})
-        c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\n")
+        clock = Clock()
+        h = await self.proxy(["echo.example.org"], proxy={"header_timeout": 0.2}, clock=clock)
+        partial = b"CONNECT echo.example.org:443 HTTP/1.1\r\n"
+        c = Collector(partial)
+        read = h.doorRead(len(partial))
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        door = await read
+        clock.pump([0.025] * 4)  # 0.1 s (the sweep runs every 0.05 s here): the head may still come
+        self.assertFalse(door.gone)
+        clock.pump([0.025] * 6)  # 0.25 s
         await c.done
         self.assertIn("proxy.header_timeout", h.records()[-1]["reason"])
 
     @deferredTest
     async def test_idleTimeoutClosesTunnel(self) -> None:
-        h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3})
+        clock = Clock()
+        h = await self.proxy(["echo.example.org"], proxy={"idle_timeout": 0.3}, clock=clock)
         c = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+        await c.until(b"\r\n\r\n")
+        # The sweep (every 0.075 s here) starts the idle count at its first pass.
+        clock.pump([0.025] * 8)  # 0.2 s: idle, but not for long enough
+        self.assertEqual(len(h.factory.tunnels), 1)
+        clock.pump([0.025] * 12)  # 0.5 s
         await c.done
         rec = h.records()[-1]
         self.assertEqual(rec["event"], "tunnel")
@@ -388,6 +400,7 @@ class HttpTests(BaseProxyTest):
 
     @deferredTest
     async def test_peerRefused(self) -> None:
+        @implementer(IPeerChecker)
         class NotYou:
             def check(self, client: tuple[str, int], server: tuple[str, int]) -> str:
                 return "its socket belongs to uid 4242, not 0"
@@ -403,16 +416,14 @@ class HttpTests(BaseProxyTest):
         h = await self.proxy(["echo.example.org"])
         first = Collector(b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), first)
-        while b"200" not in first.received:
-            await sleep(0.01)
+        await first.until(b"200")
         from tests.support.egress_fixtures import domainsToml, makeConfig
 
         h.factory.holder.swap(makeConfig(domainsToml(["other.example.org"])))
         out = await exchange(h.port, b"CONNECT echo.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"403", out)
         first.transport.write(b"still open")
-        while not first.received.endswith(b"still open"):
-            await sleep(0.01)
+        await first.until(b"still open")
         first.transport.loseConnection()
         await first.done
 

@@ -43,11 +43,11 @@ from agentsandbox.egress.rules import (
     decideHost,
     parseAuthority,
 )
+from agentsandbox.egress.testing import FixedResolver
 from tests.support.dns_namespace import resolveInNamespace
 from tests.support.egress_fixtures import (
     CURL,
     Echo,
-    FixedResolver,
     ProxyHarness,
     curl,
     deferredTest,

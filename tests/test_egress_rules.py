@@ -13,8 +13,10 @@ from collections.abc import Mapping, Sequence
 import pytest
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from agentsandbox.egress.grant import Grant, RefusalError
+from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.proxy import EgressProxyFactory
 from agentsandbox.egress.resolve import addressesFromGetaddrinfo, decideHost, describeResolved
 from agentsandbox.egress.rules import (
@@ -24,11 +26,14 @@ from agentsandbox.egress.rules import (
     decideAddress,
     embeddedIPv4,
 )
-from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
+from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
+from tests.support.egress_fixtures import domainsToml, makeConfig
 
 
-def noDialer(ip: IPAddress, port: int) -> IStreamClientEndpoint:
-    raise AssertionError("deciding never dials")
+@implementer(IDialer)
+class NoDialer:
+    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
+        raise AssertionError("deciding never dials")
 
 
 def decide(
@@ -36,7 +41,7 @@ def decide(
 ) -> tuple[list[str] | None, str]:
     """(granted addresses or None, refusal text) via the proxy's own decision."""
     config = makeConfig(domainsToml(domains))
-    factory = EgressProxyFactory(config, None, resolver=FixedResolver(table or {}), dialer=noDialer, peers=AllowAllPeers())
+    factory = EgressProxyFactory(config, None, resolver=FixedResolver(table or {}), dialer=NoDialer(), peers=AllowAllPeers())
     results: list[Grant | Failure] = []
     factory.decide(config, host, port).addCallbacks(results.append, results.append)
     (r,) = results

@@ -57,8 +57,11 @@ from agentsandbox.egress.http11 import (
     Started,
     oneHost,
 )
+from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.proxy import EgressProxyFactory
-from tests.support.egress_fixtures import AllowAllPeers, FixedResolver, domainsToml, makeConfig
+from agentsandbox.egress.rules import IPAddress
+from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
+from tests.support.egress_fixtures import domainsToml, makeConfig
 from tests.test_inject_differential import (
     EXAMPLES,
     HOST,
@@ -284,6 +287,15 @@ class _MemoryEndpoint:
         return succeed(protocol)
 
 
+@implementer(IDialer)
+@dataclass(frozen=True)
+class _MemoryDialer:
+    upstreams: list[IProtocol]
+
+    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
+        return _MemoryEndpoint(self.upstreams)
+
+
 class _HalfCloseTransport(StringTransport):
     def loseWriteConnection(self) -> None:
         self.disconnecting = True
@@ -295,7 +307,7 @@ def _door() -> tuple[Any, StringTransport, list[Any]]:
         FORWARD_CONFIG,
         Clock(),
         resolver=FORWARD_RESOLVER,
-        dialer=lambda ip, port: _MemoryEndpoint(upstreams),
+        dialer=_MemoryDialer(upstreams),
         peers=AllowAllPeers(),
     )
     door = factory.buildProtocol(None)

@@ -17,8 +17,9 @@ from twisted.trial import unittest
 
 from agentsandbox.config import EnvSource, InjectRule, githubRules
 from agentsandbox.egress.http11 import headAnomaly
+from agentsandbox.egress.testing import FixedToken
 from tests.support.inject_github import RawWebSocketish, documentationAddress
-from tests.support.inject_harness import TOKEN, FixedToken, InjectHarness, LogCapture
+from tests.support.inject_harness import TOKEN, InjectHarness, LogCapture
 
 
 def _status(raw: bytes) -> int:
@@ -31,7 +32,7 @@ class Base(unittest.TestCase):
     trustUpstream = True
 
     def setUp(self) -> None:
-        self.holder = FixedToken()
+        self.holder = FixedToken(TOKEN)
         self.h = InjectHarness(reactor, rules=self.rules, token=self.holder, trustUpstream=self.trustUpstream)
         self.addCleanup(self.h.close)
         self.logs = LogCapture()

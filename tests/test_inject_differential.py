@@ -70,6 +70,7 @@ from zope.interface.verify import verifyObject
 from agentsandbox.config import EnvSource, InjectRule
 from agentsandbox.egress.http11 import END, MAX_HEAD, Part, Started
 from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
+from agentsandbox.egress.testing import FixedToken
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
@@ -129,11 +130,6 @@ RESPONSE_EXEMPT = frozenset(
 # ---------------------------------------------------------------------- the injector, in memory
 
 
-class _Token:
-    def token(self) -> str | None:
-        return TOKEN
-
-
 @implementer(IUpstreamPool)
 class _MemoryInjector:
     """What ``_Tunnel`` and ``_Upstream`` ask of their ``Injector``, with each
@@ -168,7 +164,7 @@ class _MemoryInjector:
 def _terminated() -> tuple[_MemoryInjector, _Tunnel, StringTransport]:
     injector = _MemoryInjector()
     verifyObject(IUpstreamPool, injector)
-    tunnel = _Tunnel(injector, Route(HOST, RULE, _Token()), (ADDRESS,), injector.clock)
+    tunnel = _Tunnel(injector, Route(HOST, RULE, FixedToken(TOKEN)), (ADDRESS,), injector.clock)
     client = StringTransport()
     tunnel.makeConnection(client)
     return injector, tunnel, client

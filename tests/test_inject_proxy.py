@@ -23,9 +23,10 @@ from twisted.trial import unittest
 
 from agentsandbox.config import FileSource, githubRules
 from agentsandbox.egress.inject import routesFor
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from agentsandbox.egressdir import egressVars, writeEgressDir
 from agentsandbox.tokens import TokenKeepers
-from tests.support.egress_fixtures import FixedResolver, MappedDialer, ProxyHarness, makeConfig
+from tests.support.egress_fixtures import ProxyHarness, makeConfig
 from tests.support.inject_github import gitHttpBackend
 from tests.support.inject_harness import TOKEN, InjectHarness, LogCapture
 

@@ -28,13 +28,12 @@ from agentsandbox.egress.inject import Injector
 from agentsandbox.egress.injection import InjectionService, injectionFor
 from agentsandbox.egress.interfaces import ITerminator
 from agentsandbox.egress.rules import IPAddress
+from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from agentsandbox.paths import Paths
 from agentsandbox.reload import ConfigHolder
 from tests.support.broker_support import until
 from tests.support.egress_fixtures import (
     Echo,
-    FixedResolver,
-    MappedDialer,
     ProxyHarness,
     deferredTest,
     exchange,

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any, cast
 
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.egress.testing import FixedResolver
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 from tests.support.egress_fixtures import (
-    FixedResolver,
     ProxyHarness,
     deferredTest,
     domainsToml,
     exchange,
     makeConfig,
     reactor,
-    waitFor,
 )
 
 
@@ -55,7 +57,7 @@ class HolderTests(TestCase):
             raise ConfigError("/etc/agentsandbox/config.toml", "sandbox.domains[0]", "'*' would allow every host")
 
         events = Events(self)
-        watcher = ConfigWatcher(holder, None, clock, loader=broken, handleSignal=False)
+        watcher = ConfigWatcher(holder, None, reactor, loader=broken, handleSignal=False, clock=clock)
         self.assertFalse(watcher.reload("test"))
         self.assertIs(holder.current, good)
         (err,) = events.errors()
@@ -72,7 +74,7 @@ class HolderTests(TestCase):
             loads.append(1)
             return makeConfig("")
 
-        watcher = ConfigWatcher(holder, None, clock, loader=loader, settle=0.2, handleSignal=False)
+        watcher = ConfigWatcher(holder, None, reactor, loader=loader, settle=0.2, handleSignal=False, clock=clock)
         for _ in range(5):
             watcher.schedule()
             clock.advance(0.1)
@@ -81,7 +83,35 @@ class HolderTests(TestCase):
         self.assertEqual(loads, [1])
 
 
+class WatchedClock(Clock):
+    """A ``Clock`` that says when something schedules a call on it.
+
+    The watcher schedules its reload when inotify reports the write, which
+    arrives through the real reactor; ``nextCall`` fires then, so the test
+    advances the clock past ``settle`` without polling or sleeping.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[Deferred[None]] = []
+
+    def nextCall(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        self._waiters.append(d)
+        return d
+
+    def callLater(self, delay: float, callable: Callable[..., Any], *args: object, **kw: object) -> IDelayedCall:
+        call = super().callLater(delay, callable, *args, **kw)
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            # From the next reactor turn: the scheduler has not kept its call yet.
+            reactor.callLater(0, d.callback, None)
+        return call
+
+
 class LiveReloadTests(TestCase):
+    SETTLE = 0.2
+
     def setUp(self) -> None:
         self.dir = self.mktemp()
         os.makedirs(self.dir)
@@ -89,7 +119,10 @@ class LiveReloadTests(TestCase):
         self.env = {"HOME": self.dir}
         self.write(domainsToml(["a.example.org"]))
         self.holder = ConfigHolder(load(self.path, self.env))
-        self.watcher = ConfigWatcher(self.holder, self.path, reactor, loader=lambda: load(self.path, self.env), settle=0.05)
+        self.clock = WatchedClock()
+        self.watcher = ConfigWatcher(
+            self.holder, self.path, reactor, loader=lambda: load(self.path, self.env), settle=self.SETTLE, clock=self.clock
+        )
         self.watcher.startService()
         self.addCleanup(self.watcher.stopService)
 
@@ -100,30 +133,39 @@ class LiveReloadTests(TestCase):
         if atomic:
             os.replace(target, self.path)
 
+    async def writeAndSettle(self, text: str, atomic: bool = False) -> None:
+        """Write the file, wait for inotify to schedule the reload, then let ``settle`` pass."""
+        scheduled = self.clock.nextCall()
+        self.write(text, atomic)
+        await scheduled
+        self.clock.advance(self.SETTLE / 2)
+        self.assertTrue(self.watcher._pending is not None and self.watcher._pending.active(), "reloaded before settle")
+        self.clock.advance(self.SETTLE)  # past it: halves of a float need not add up to it
+
     def domains(self) -> tuple[str, ...]:
         return self.holder.current.sandbox.domains
 
     @deferredTest
     async def test_inotifyWriteAndRename(self) -> None:
-        self.write(domainsToml(["b.example.org"]))
-        await waitFor(lambda: self.domains() == ("b.example.org",), "the in-place write to reload")
-        self.write(domainsToml(["c.example.org"]), atomic=True)
-        await waitFor(lambda: self.domains() == ("c.example.org",), "the rename to reload")
+        await self.writeAndSettle(domainsToml(["b.example.org"]))
+        self.assertEqual(self.domains(), ("b.example.org",), "the in-place write to reload")
+        await self.writeAndSettle(domainsToml(["c.example.org"]), atomic=True)
+        self.assertEqual(self.domains(), ("c.example.org",), "the rename to reload")
 
     @deferredTest
     async def test_brokenFileKeepsTheOldConfig(self) -> None:
         events = Events(self)
-        self.write("[sandbox]\ndomains = [\"*\"]\n")
-        await waitFor(lambda: self.watcher.failures >= 1, "the broken file to be read")
+        await self.writeAndSettle("[sandbox]\ndomains = [\"*\"]\n")
+        self.assertGreaterEqual(self.watcher.failures, 1, "the broken file to be read")
         self.assertEqual(self.domains(), ("a.example.org",))
         err = events.errors()[-1]
         self.assertEqual((err["file"], err["key"]), (self.path, "sandbox.domains[0]"))
-        self.write("[sandbox\n")
-        await waitFor(lambda: self.watcher.failures >= 2, "the unparsable file to be read")
+        await self.writeAndSettle("[sandbox\n")
+        self.assertGreaterEqual(self.watcher.failures, 2, "the unparsable file to be read")
         self.assertEqual(self.domains(), ("a.example.org",))
         self.assertIn("not valid TOML", events.errors()[-1]["error"])
-        self.write(domainsToml(["d.example.org"]))
-        await waitFor(lambda: self.domains() == ("d.example.org",), "the fixed file to reload")
+        await self.writeAndSettle(domainsToml(["d.example.org"]))
+        self.assertEqual(self.domains(), ("d.example.org",), "the fixed file to reload")
 
     @deferredTest
     async def test_sighup(self) -> None:
@@ -133,8 +175,11 @@ class LiveReloadTests(TestCase):
         with open(self.path, "w") as f:
             f.write(domainsToml(["e.example.org"]))
         before = self.watcher.reloads
+        swapped: Deferred[None] = Deferred()
+        self.holder.subscribe(lambda old, new: None if swapped.called else swapped.callback(None))
         os.kill(os.getpid(), signal.SIGHUP)
-        await waitFor(lambda: self.watcher.reloads > before, "SIGHUP to reload")
+        await swapped  # the handler reloads from the reactor's thread, not on the clock
+        self.assertGreater(self.watcher.reloads, before, "SIGHUP to reload")
         self.assertEqual(self.domains(), ("e.example.org",))
 
     @deferredTest
@@ -144,7 +189,7 @@ class LiveReloadTests(TestCase):
         self.addCleanup(h.stop)
         out = await exchange(h.port, b"CONNECT z.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"z.example.org:443 is not on the sandbox's allow list", out)
-        self.write(domainsToml(["z.example.org"], max_tunnels=7))
-        await waitFor(lambda: self.holder.current.proxy.max_tunnels == 7, "the reload")
+        await self.writeAndSettle(domainsToml(["z.example.org"], max_tunnels=7))
+        self.assertEqual(self.holder.current.proxy.max_tunnels, 7, "the reload")
         out = await exchange(h.port, b"CONNECT z.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"z.example.org does not resolve", out)  # allowed by name now; the test resolver knows no address

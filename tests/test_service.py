@@ -31,11 +31,12 @@ from agentsandbox.broker import client
 from agentsandbox.broker.server import STOPPING
 from agentsandbox.broker.spool import Reply
 from agentsandbox.config import Config, load
+from agentsandbox.egress.testing import FixedResolver, MappedDialer, UpstreamPKI
 from agentsandbox.egressdir import egressVars
 from agentsandbox.service import AgentSandbox, makeService
 from tests.support.broker_support import asyncTest, until
-from tests.support.egress_fixtures import Echo, FixedResolver, MappedDialer, exchange
-from tests.support.inject_github import FakeGitHub, TestPKI, documentationAddress, listenTLS
+from tests.support.egress_fixtures import Echo, exchange
+from tests.support.inject_github import FakeGitHub, documentationAddress, listenTLS
 from tests.support.inject_harness import TOKEN
 
 TOKEN_VAR = "AGENTSANDBOX_TEST_GITHUB_TOKEN"
@@ -138,7 +139,7 @@ class ServiceCase(unittest.TestCase):
         self.webPort = yield self.listen(Factory.forProtocol(_Hello))
 
         # The fake GitHub, reached only through the injector's dialer.
-        self.pki = TestPKI.create()
+        self.pki = UpstreamPKI.create()
         gitRoot = os.path.join(self.base, "git")
         os.makedirs(gitRoot)
         self.fake = FakeGitHub(token=TOKEN, gitRoot=gitRoot)

@@ -27,9 +27,9 @@ from twisted.python.failure import Failure
 from twisted.trial import unittest
 from zope.interface import implementer
 
+from agentsandbox.egress.testing import UpstreamPKI
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
-from tests.support.inject_github import TestPKI
 from tests.support.inject_harness import LogCapture
 
 HOST = "api.github.com"
@@ -93,7 +93,7 @@ class Base(unittest.TestCase):
 
     def setUp(self) -> None:
         self.ca = InjectionCA.create([HOST], label="tlsstream test")
-        self.pki = TestPKI.create()
+        self.pki = UpstreamPKI.create()
 
     def listen(self, build: Any) -> int:
         class OneShot(ServerFactory):

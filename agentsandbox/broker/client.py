@@ -124,10 +124,6 @@ class _Waiter:
             self.poller = select.poll()
             self.poller.register(self.fd, select.POLLIN)
 
-    @property
-    def usesInotify(self) -> bool:
-        return self.fd >= 0
-
     def wait(self, seconds: float) -> None:
         seconds = max(0.0, min(seconds, _MAX_NAP))
         if self.poller is not None:

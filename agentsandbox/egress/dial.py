@@ -3,7 +3,7 @@
 The front door's tunnels (``proxy.py``) and the injector's upstream pool
 (``inject.py``) both reach an origin through here, so "could not connect" is
 written once (``couldNotConnect``) and every dial tries the checked addresses in
-the resolver's order.  ``TCPDialer`` is the default ``Dialer``: an endpoint when
+the resolver's order.  ``TCPDialer`` is the default ``IDialer``: an endpoint when
 called, or ``reactor.connectTCP`` straight into a tunnel's ``UpstreamProtocol``
 (``dialTunnel``), one Deferred and one wrapper protocol fewer per tunnel.
 """
@@ -18,9 +18,10 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from agentsandbox.egress.grant import Refusal, RefusalError
-from agentsandbox.egress.interfaces import Dialer
+from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.rules import IPAddress, unwrapMapped
 from agentsandbox.egress.splice import UpstreamProtocol
 
@@ -34,10 +35,11 @@ def couldNotConnect(host: str, port: int, errors: Sequence[str]) -> RefusalError
     return RefusalError(Refusal("dial", f"could not connect to {host}:{port} ({why})"))
 
 
+@implementer(IDialer)
 class TCPDialer:
     """The default dialer: a TCP connection to exactly the checked address.
 
-    Called like any ``Dialer`` it returns an endpoint.  ``dial`` makes the same
+    Called like any ``IDialer`` it returns an endpoint.  ``dial`` makes the same
     connection straight through ``reactor.connectTCP`` for a tunnel's
     ``UpstreamProtocol``, which reports its own ``connectionMade``: an endpoint
     would wrap the protocol in a forwarding one, one more call on every event
@@ -109,7 +111,7 @@ def connectQuietly(endpoint: IStreamClientEndpoint, protocol: Protocol) -> Defer
     return endpoint.connect(_OneShot(protocol))
 
 
-def _dialOne(dialer: Dialer, ip: IPAddress, port: int, protocol: Protocol) -> Deferred[Any]:
+def _dialOne(dialer: IDialer, ip: IPAddress, port: int, protocol: Protocol) -> Deferred[Any]:
     if isinstance(dialer, TCPDialer) and isinstance(protocol, UpstreamProtocol):
         d: Deferred[Any] = Deferred()
         dialer.dial(ip, port, protocol, d.callback, d.errback)
@@ -118,7 +120,7 @@ def _dialOne(dialer: Dialer, ip: IPAddress, port: int, protocol: Protocol) -> De
 
 
 def dialInTurn(
-    dialer: Dialer,
+    dialer: IDialer,
     host: str,
     port: int,
     addresses: Sequence[IPAddress],
@@ -157,7 +159,7 @@ def dialInTurn(
 
 
 def dialTunnel(
-    dialer: Dialer,
+    dialer: IDialer,
     host: str,
     port: int,
     addresses: Sequence[IPAddress],

@@ -64,7 +64,6 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from typing import Protocol as TypingProtocol
 
 from service_identity import VerificationError
 from twisted.internet import defer
@@ -99,7 +98,7 @@ from agentsandbox.egress.http11 import (
     connectionTokens,
     forwardedLines,
 )
-from agentsandbox.egress.interfaces import Dialer, ITerminator
+from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
@@ -118,19 +117,13 @@ _REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 MAX_READ_AHEAD = 256 * 1024
 
 
-class TokenHolder(TypingProtocol):
-    """What a route needs of a token keeper (``tokens.TokenKeeper`` is one)."""
-
-    def token(self) -> str | None: ...
-
-
 @dataclass
 class Route:
     """An injected host: its rule and where its token comes from."""
 
     host: str
     rule: InjectRule
-    keeper: TokenHolder
+    keeper: ITokenHolder
     headerName: bytes = field(init=False)
     headerPrefix: bytes = field(init=False)
     hostLine: bytes = field(init=False)
@@ -165,7 +158,7 @@ class Route:
 
 
 def routesFor(
-    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], TokenHolder]
+    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder]
 ) -> dict[str, Route]:
     """host -> Route for every host of every rule."""
     routes: dict[str, Route] = {}
@@ -204,21 +197,25 @@ class Injector:
     system's roots when None; tests pass their own CA here, never through
     config).  ``ca`` is None while no host is injected (``injects`` then says
     no to every host); ``swap`` takes new routes and their CA on reload.
+    ``clock`` (default: ``reactor``) times the tunnel's idle timeout and the
+    upstream's handshake and pool timeouts; the dials go through ``dialer``, so
+    a test may hand in a ``task.Clock`` and keep real sockets.
     """
 
     def __init__(
         self,
         ca: InjectionCA | None,
         routes: Mapping[str, Route],
-        dialer: Dialer,
+        dialer: IDialer,
         reactor: IReactorTime,
         upstreamTrust: bytes | None = None,
         idleTimeout: float = 300.0,
         upstreamIdleTimeout: float = 60.0,
         handshakeTimeout: float = 30.0,
         poolSize: int = 8,
+        clock: IReactorTime | None = None,
     ) -> None:
-        self._reactor = reactor
+        self.clock: IReactorTime = clock if clock is not None else reactor
         self._dialer = dialer
         self._upstreamTrust = upstreamTrust
         # Made at the first dial: loading the system roots costs a few MB.
@@ -262,7 +259,7 @@ class Injector:
         route = self.routes.get(host)
         if route is None or self.ca is None:
             raise KeyError(f"{host} has no inject rule")
-        tunnel = _Tunnel(self, route, tuple(addresses), self._reactor)
+        tunnel = _Tunnel(self, route, tuple(addresses), self.clock)
         return TLSStream(self.ca.serverContext(host), tunnel, serverSide=True)
 
     # ------------------------------------------------------------------ IUpstreamPool
@@ -286,7 +283,7 @@ class Injector:
         context = self._upstreamContext
 
         def streamTo(address: IPAddress) -> TLSStream:
-            upstream = _Upstream(self, host, address, self._reactor)
+            upstream = _Upstream(self, host, address, self.clock)
             return TLSStream(context, upstream, serverSide=False, serverHostname=host, verify=verifyUpstream(host))
 
         def upstreamOf(tls: TLSStream) -> _Upstream:

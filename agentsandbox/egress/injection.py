@@ -40,7 +40,7 @@ from twisted.logger import Logger
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.inject import Injector, routesFor
-from agentsandbox.egress.interfaces import Dialer
+from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.tls import InjectionCA
 from agentsandbox.reload import ConfigHolder, asHolder
 from agentsandbox.tokens import TokenKeepers
@@ -55,8 +55,8 @@ def injectedHosts(config: Config) -> tuple[str, ...]:
 class InjectionService(MultiService):
     """The terminating path's state, following ``config`` (a Config or a ConfigHolder).
 
-    ``reactor`` spawns token commands and times the injector; ``clock`` (the
-    reactor unless given) times the keepers.  ``dialer`` reaches a checked
+    ``reactor`` spawns token commands; ``clock`` (the reactor unless given)
+    times the keepers and the injector's tunnels and upstreams.  ``dialer`` reaches a checked
     address (the proxy's own); ``upstreamTrust`` is the upstream trust in PEM
     (the system's roots when None; tests pass theirs here, never through config).
     ``writeEgress=False`` leaves the egress dir alone (a service that is only
@@ -72,7 +72,7 @@ class InjectionService(MultiService):
         *,
         clock: Any = None,
         environ: Mapping[str, str] | None = None,
-        dialer: Dialer | None = None,
+        dialer: IDialer | None = None,
         upstreamTrust: bytes | None = None,
         writeEgress: bool = True,
     ) -> None:
@@ -100,6 +100,7 @@ class InjectionService(MultiService):
             dialer,
             reactor,
             upstreamTrust=upstreamTrust,
+            clock=clock,
         )
 
     def _keepers(self, config: Config) -> TokenKeepers:

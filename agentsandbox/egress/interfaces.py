@@ -1,30 +1,31 @@
-"""The contracts between the egress proxy's parts.
+"""The contracts between the egress proxy's parts, as zope interfaces.
 
-The front door (proxy.py) decides; it resolves names once through an
-``IResolver``, checks every address, and then either splices an opaque tunnel to
-a checked address through a ``Dialer``, or hands the client's connection to an
+The front door (proxy.py) decides: it asks an ``IPeerChecker`` whether the
+client may use the proxy at all, resolves names once through an ``IResolver``,
+checks every address, and then either splices an opaque tunnel to a checked
+address through an ``IDialer``, or hands the client's connection to an
 ``ITerminator`` when the terminator says it ``injects`` the host and port (an
 inject rule, port 443).  That one question is the only answer to "is this host
 terminated?": the proxy asks it at the moment it decides, and ``check host``
-asks the same object the service would build.  Tests inject all three, so no
-config key can point the proxy somewhere else.  A terminated tunnel's byte
-counts reach the audit record through ``ICountedTunnel``.
+asks the same object the service would build.  The terminator (inject.py)
+dials upstream through the same ``IDialer`` and asks each route's
+``ITokenHolder`` for the token it sets; a terminated tunnel's byte counts reach
+the audit record through ``ICountedTunnel``.  Tests inject every one of these,
+so no config key can point the proxy somewhere else; ``agentsandbox.egress.testing``
+ships the doubles (a table resolver, a dialer that maps addresses to loopback
+ports, a peer check that allows everyone, a fixed token) that this package's
+tests use and users' tests may too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
 from zope.interface import Attribute, Interface
 
 from agentsandbox.egress.rules import IPAddress
-
-#: Returns the endpoint that reaches a checked address.  The default makes a
-#: TCP4/TCP6 client endpoint; tests map documentation addresses to loopback
-#: listeners so the address rules stay real.
-Dialer = Callable[[IPAddress, int], IStreamClientEndpoint]
 
 
 class IResolver(Interface):
@@ -36,6 +37,33 @@ class IResolver(Interface):
         Fails with ``agentsandbox.egress.resolve.ResolveError`` naming the host when
         nothing answers.
         """
+
+
+class IDialer(Interface):
+    """Reaches a checked address: the last hop, and the only one a test bends.
+
+    The default (``dial.TCPDialer``) makes a TCP4/TCP6 client endpoint to
+    exactly that address; tests map documentation addresses to loopback
+    listeners, so the address rules the proxy applies stay real.
+    """
+
+    def __call__(ip: IPAddress, port: int) -> IStreamClientEndpoint:
+        """The endpoint that connects to ``ip:port`` (never resolved again)."""
+
+
+class IPeerChecker(Interface):
+    """Decides whether the client on a connection may use the proxy."""
+
+    def check(client: tuple[str, int], server: tuple[str, int]) -> str | None:
+        """None when the peer at ``client`` (connected to our ``server`` address)
+        may use the proxy, else the reason it may not, for the audit log."""
+
+
+class ITokenHolder(Interface):
+    """Where an inject route's token comes from (``tokens.TokenKeeper`` is one)."""
+
+    def token() -> str | None:
+        """The token in force now, or None while there is none yet."""
 
 
 class ITerminator(Interface):

@@ -29,16 +29,12 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from zope.interface import implementer
+
+from agentsandbox.egress.interfaces import IPeerChecker
 from agentsandbox.egress.rules import IPAddress, unwrapMapped
 from agentsandbox.probes import readTable, socketRows
-
-
-class PeerChecker(Protocol):
-    """Returns None when the peer may use the proxy, else the reason it may not."""
-
-    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None: ...
 
 
 def _same(a: tuple[IPAddress, int], b: tuple[str, int]) -> bool:
@@ -266,6 +262,7 @@ def _verdict(owner: int | None, uid: int, client: tuple[str, int]) -> str | None
     return None
 
 
+@implementer(IPeerChecker)
 @dataclass(frozen=True)
 class ProcNetPeers:
     """The peer check from ``/proc/net/tcp`` and ``tcp6`` alone.
@@ -286,6 +283,7 @@ class ProcNetPeers:
         return _verdict(owner, self._uid(), client)
 
 
+@implementer(IPeerChecker)
 class SameUserPeers:
     """The default peer check: the client's socket must belong to ``uid`` (default: ours)."""
 
@@ -307,11 +305,3 @@ class SameUserPeers:
         except NoSocketTable as e:
             return str(e)
         return _verdict(owner, self.uid, client)
-
-
-@dataclass(frozen=True)
-class AnyPeer:
-    """No peer check: for platforms without /proc, chosen explicitly, never by default."""
-
-    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
-        return None

@@ -37,6 +37,7 @@ from twisted.internet.interfaces import (
     IHalfCloseableProtocol,
     IListeningPort,
     IProtocol,
+    IReactorTime,
 )
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -47,8 +48,14 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
-from agentsandbox.egress.interfaces import Dialer, ICountedTunnel, IResolver, ITerminator
-from agentsandbox.egress.peer import PeerChecker, SameUserPeers
+from agentsandbox.egress.interfaces import (
+    ICountedTunnel,
+    IDialer,
+    IPeerChecker,
+    IResolver,
+    ITerminator,
+)
+from agentsandbox.egress.peer import SameUserPeers
 from agentsandbox.egress.resolve import (
     HostDecision,
     ResolveError,
@@ -163,7 +170,7 @@ class FrontDoor(Protocol):
     def armHeaderTimer(self) -> None:
         # A deadline the factory's sweep checks, not a DelayedCall per
         # connection: most heads arrive in the first segment.
-        self.headerDeadline = self.factory.reactor.seconds() + self.config.proxy.header_timeout
+        self.headerDeadline = self.factory.clock.seconds() + self.config.proxy.header_timeout
 
     def cancelHeaderTimer(self) -> None:
         self.headerDeadline = None
@@ -353,7 +360,7 @@ class FrontDoor(Protocol):
         granted()
         protocol = terminator.terminate(grant.host, grant.addresses)
         self.terminated = protocol
-        self.terminatedAs = (kind, grant, self.factory.reactor.seconds())
+        self.terminatedAs = (kind, grant, self.factory.clock.seconds())
         protocol.makeConnection(self.transport)
         pending, self.pending = self.pending, []
         for chunk in pending:
@@ -376,7 +383,7 @@ class FrontDoor(Protocol):
             address: str | None = grant.shown
         else:
             address = getattr(upstream.transport.getPeer(), "host", None)
-        started = self.factory.reactor.seconds()
+        started = self.factory.clock.seconds()
 
         def onClose(tunnel: Tunnel, why: str | None) -> None:
             self.factory.tunnelClosed(tunnel, kind, self.client, grant, address, why)
@@ -412,7 +419,10 @@ class EgressProxyFactory(Factory):
 
     ``config`` is a Config or a ConfigHolder (live reload).  Every collaborator
     is injectable; the defaults are the system resolver, plain TCP to the
-    checked address, the same-user peer check and no terminator.
+    checked address, the same-user peer check and no terminator.  ``clock``
+    (default: the reactor) times the header deadline, idle tunnels and the
+    durations in the audit log, so a test can advance a ``task.Clock`` past a
+    timeout while the sockets stay real.
     """
 
     log = Logger(namespace="agentsandbox.egress")
@@ -425,19 +435,21 @@ class EgressProxyFactory(Factory):
         config: Config | ConfigHolder,
         reactor: Any,
         resolver: IResolver | None = None,
-        dialer: Dialer | None = None,
-        peers: PeerChecker | None = None,
+        dialer: IDialer | None = None,
+        peers: IPeerChecker | None = None,
         terminator: ITerminator | None = None,
         audit: AuditLog | None = None,
         spliceFast: bool = True,
         zeroCopyAfter: int = ZERO_COPY_AFTER,
+        clock: IReactorTime | None = None,
     ) -> None:
         self.holder = asHolder(config)
         self.zeroCopyAfter = zeroCopyAfter
         self.reactor = reactor
+        self.clock: IReactorTime = clock if clock is not None else reactor
         self.resolver: IResolver = resolver if resolver is not None else SystemResolver(reactor)
-        self.dialer: Dialer = dialer if dialer is not None else tcpDialer(reactor)
-        self.peers: PeerChecker = peers if peers is not None else SameUserPeers()
+        self.dialer: IDialer = dialer if dialer is not None else tcpDialer(reactor)
+        self.peers: IPeerChecker = peers if peers is not None else SameUserPeers()
         self.terminator = terminator
         self.audit = audit
         self.spliceFast = spliceFast
@@ -494,11 +506,11 @@ class EgressProxyFactory(Factory):
     def _scheduleSweep(self) -> None:
         proxy = self.holder.current.proxy
         interval = min(max(min(proxy.idle_timeout, proxy.header_timeout) / 4, 0.05), 15.0)
-        self._sweeper = self.reactor.callLater(interval, self._sweep)
+        self._sweeper = self.clock.callLater(interval, self._sweep)
 
     def _sweep(self) -> None:
         """Close connections past their header deadline and tunnels idle too long."""
-        now = self.reactor.seconds()
+        now = self.clock.seconds()
         for door in list(self.doors):
             deadline = door.headerDeadline
             if deadline is not None and now >= deadline and not door.gone:
@@ -535,7 +547,7 @@ class EgressProxyFactory(Factory):
             reason=why,
             up=tunnel.up,
             down=tunnel.down,
-            duration=round(self.reactor.seconds() - tunnel.startedAt, 3),
+            duration=round(self.clock.seconds() - tunnel.startedAt, 3),
         )
 
     def terminatedClosed(self, door: FrontDoor, terminatedAs: tuple[str, Grant, float]) -> None:
@@ -554,7 +566,7 @@ class EgressProxyFactory(Factory):
             via="inject",
             up=None if counts is None else counts.received,
             down=None if counts is None else counts.sent,
-            duration=round(self.reactor.seconds() - started, 3),
+            duration=round(self.clock.seconds() - started, 3),
         )
 
     def handOff(self, tunnel: Tunnel) -> None:
@@ -565,6 +577,7 @@ class EgressProxyFactory(Factory):
         the kernel from then on.
         """
         if self.spliceFast and _ZERO_COPY:
+            # A reactor turn, not a time: the hand-over must not wait for a test's clock.
             tunnel.onVolume(self.zeroCopyAfter, self._zeroCopy, self.reactor)
 
     def _zeroCopy(self, tunnel: Tunnel) -> None:

@@ -1,13 +1,14 @@
-"""Parts for egress tests: an injected resolver, a dialer that maps documentation
-addresses to loopback listeners, a proxy on an ephemeral loopback port, and
-small servers.  The address rules stay real: the proxy classifies the
-documentation address (public), and only the last hop is bent to loopback.
+"""Parts for egress tests: a proxy on an ephemeral loopback port, small servers
+and clients.  The doubles it is built with (a table resolver, a dialer that
+maps documentation addresses to loopback listeners, a peer check that allows
+everyone) live in ``agentsandbox.egress.testing``.  The address rules stay real:
+the proxy classifies the documentation address (public), and only the last hop
+is bent to loopback.
 """
 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -15,12 +16,11 @@ from typing import Any
 
 from twisted.internet import reactor as _reactor
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.interfaces import (
     IHalfCloseableProtocol,
     IProtocolFactory,
-    IStreamClientEndpoint,
 )
 from twisted.internet.protocol import Protocol
 from twisted.internet.utils import getProcessOutputAndValue
@@ -28,10 +28,8 @@ from zope.interface import implementer
 
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config, loads
-from agentsandbox.egress.interfaces import IResolver
-from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
-from agentsandbox.egress.resolve import ResolveError
-from agentsandbox.egress.rules import IPAddress
+from agentsandbox.egress.proxy import ZERO_COPY_AFTER, EgressProxyFactory, FrontDoor, ProxyService
+from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MappedDialer
 from agentsandbox.paths import Paths
 
 reactor: Any = _reactor
@@ -56,49 +54,6 @@ def domainsToml(domains: Sequence[str], **proxy: Any) -> str:
     # `inject = []` must be top level: move it before any table.
     body = [ln for ln in lines if ln != "inject = []"]
     return "inject = []\n" + "\n".join(body) + "\n"
-
-
-@implementer(IResolver)
-class FixedResolver:
-    """Answers from a table; counts lookups so tests can show a name resolves once."""
-
-    def __init__(self, table: Mapping[str, Sequence[str]]) -> None:
-        self.table = {k: [ipaddress.ip_address(a) for a in v] for k, v in table.items()}
-        self.lookups: list[str] = []
-
-    def resolve(self, host: str, port: int) -> Deferred[Sequence[IPAddress]]:
-        self.lookups.append(host)
-        if host not in self.table or not self.table[host]:
-            return fail(ResolveError(host, "not in the test's table"))
-        return succeed(list(self.table[host]))
-
-
-class MappedDialer:
-    """Dials ``(address, port)`` pairs at loopback ports; records every dial."""
-
-    def __init__(self, reactor: Any, routes: Mapping[tuple[str, int], int] | None = None) -> None:
-        self.reactor = reactor
-        self.routes: dict[tuple[str, int], int] = dict(routes or {})
-        self.dialled: list[tuple[str, int]] = []
-
-    def route(self, address: str, port: int, localPort: int) -> None:
-        self.routes[(str(ipaddress.ip_address(address)), port)] = localPort
-
-    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
-        key = (str(ip), port)
-        self.dialled.append(key)
-        if key in self.routes:
-            return TCP4ClientEndpoint(self.reactor, "127.0.0.1", self.routes[key], timeout=5)
-        if ip.version == 4 and ip.is_loopback:
-            return TCP4ClientEndpoint(self.reactor, str(ip), port, timeout=5)
-        # Anything else would leave the machine: a closed loopback port stands in
-        # for an unreachable host (the dial fails with "connection refused").
-        return TCP4ClientEndpoint(self.reactor, "127.0.0.1", 1, timeout=5)
-
-
-class AllowAllPeers:
-    def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
-        return None
 
 
 @implementer(IHalfCloseableProtocol)
@@ -145,6 +100,7 @@ class ProxyHarness:
         config: Config | Any = None,
         spliceFast: bool = True,
         zeroCopyAfter: int | None = None,
+        clock: Any = None,
     ) -> None:
         self.home = tempfile.mkdtemp(prefix="egress-home-")
         self.config = config or makeConfig(domainsToml(domains, **(proxy or {})), self.home)
@@ -161,10 +117,41 @@ class ProxyHarness:
             terminator=terminator,
             audit=self.audit,
             spliceFast=spliceFast,
-            **({} if zeroCopyAfter is None else {"zeroCopyAfter": zeroCopyAfter}),
+            zeroCopyAfter=ZERO_COPY_AFTER if zeroCopyAfter is None else zeroCopyAfter,
+            clock=clock,
         )
+        self._doorWaiters: list[tuple[int, Deferred[FrontDoor]]] = []
+        build = self.factory.buildProtocol
+        self.factory.buildProtocol = lambda addr: self._watched(build(addr))  # type: ignore[method-assign]
         self.service = ProxyService(self.factory, "tcp:0:interface=127.0.0.1")
         self.port = 0
+
+    def doorRead(self, size: int) -> Deferred[FrontDoor]:
+        """Fires with the next front door once it has read ``size`` bytes of its client.
+
+        A timeout test on a ``task.Clock`` advances the clock only after this,
+        so the proxy has seen what the client sent, without polling.
+        """
+        d: Deferred[FrontDoor] = Deferred()
+        self._doorWaiters.append((size, d))
+        return d
+
+    def _watched(self, door: FrontDoor) -> FrontDoor:
+        if not self._doorWaiters:
+            return door
+        size, d = self._doorWaiters.pop(0)
+        received = door.dataReceived
+        seen = 0
+
+        def dataReceived(data: bytes) -> None:
+            nonlocal seen
+            received(data)
+            seen += len(data)
+            if seen >= size and not d.called:
+                d.callback(door)
+
+        door.dataReceived = dataReceived  # type: ignore[method-assign]
+        return door
 
     async def start(self) -> ProxyHarness:
         self.service.startService()
@@ -231,6 +218,7 @@ class Collector(Protocol):
         self.received = bytearray()
         self.done: Deferred[bytes] = Deferred()
         self.reason: Any = None
+        self._waiters: list[tuple[bytes, Deferred[bytes]]] = []
 
     def connectionMade(self) -> None:
         if self.send:
@@ -240,10 +228,27 @@ class Collector(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data
+        if self._waiters:
+            arrived = [(m, d) for m, d in self._waiters if m in self.received]
+            self._waiters = [(m, d) for m, d in self._waiters if m not in self.received]
+            for _, d in arrived:
+                d.callback(bytes(self.received))
 
     def connectionLost(self, reason: Any = None) -> None:
         self.reason = reason
         self.done.callback(bytes(self.received))
+        waiters, self._waiters = self._waiters, []
+        for marker, d in waiters:
+            d.errback(AssertionError(f"the connection closed before {marker!r} arrived: {bytes(self.received)[:200]!r}"))
+
+    def until(self, marker: bytes) -> Deferred[bytes]:
+        """Fires with what was received once it holds ``marker`` (event-driven, no polling)."""
+        d: Deferred[bytes] = Deferred()
+        if marker in self.received:
+            d.callback(bytes(self.received))
+        else:
+            self._waiters.append((marker, d))
+        return d
 
 
 async def exchange(port: int, send: bytes, halfClose: bool = True) -> bytes:

@@ -18,21 +18,15 @@ Routes:
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import ipaddress
 import json
 import os
 import shutil
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from twisted.internet import endpoints, ssl
+from twisted.internet import ssl
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReactorTCP
 from twisted.internet.protocol import Protocol
 from twisted.web import resource, server, twcgi
@@ -50,73 +44,6 @@ def gitHttpBackend() -> str | None:
         if os.access(candidate, os.X_OK):
             return os.path.normpath(candidate)
     return None
-
-
-# ---------------------------------------------------------------------- a test PKI
-
-
-@dataclass
-class TestPKI:
-    """A test root and leaves it signs; the root's PEM is the upstream trust."""
-
-    key: ec.EllipticCurvePrivateKey
-    cert: x509.Certificate
-
-    @classmethod
-    def create(cls, name: str = "agentsandbox test upstream CA") -> TestPKI:
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256())
-        )
-        return cls(key, cert)
-
-    @property
-    def pem(self) -> bytes:
-        return self.cert.public_bytes(serialization.Encoding.PEM)
-
-    def serverOptions(self, names: Iterable[str]) -> ssl.CertificateOptions:
-        """Server TLS for ``names`` (ALPN http/1.1, which ALPN clients need on Twisted 26)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        names = list(names)
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(self.key, hashes.SHA256())
-        )
-        keyPEM = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        certPEM = cert.public_bytes(serialization.Encoding.PEM)
-        pair = ssl.PrivateCertificate.loadPEM(keyPEM + certPEM)
-        # On Twisted 22.4 an untyped decorator on __init__ makes this call Any.
-        options: ssl.CertificateOptions = ssl.CertificateOptions(
-            privateKey=pair.privateKey.original,
-            certificate=pair.original,
-            acceptableProtocols=[b"http/1.1"],
-        )
-        return options
 
 
 # ---------------------------------------------------------------------- the fake
@@ -334,23 +261,3 @@ class RawWebSocketish(Protocol):
 def documentationAddress(n: int) -> ipaddress.IPv4Address:
     """TEST-NET-3 addresses stand for the fake's hosts; only the test dialer knows them."""
     return ipaddress.IPv4Address(f"203.0.113.{n}")
-
-
-class LoopbackDialer:
-    """Maps documentation addresses to loopback listeners (the Dialer contract)."""
-
-    def __init__(self, reactor: Any) -> None:
-        self.reactor = reactor
-        self.ports: dict[str, int] = {}
-        self.dialled: list[tuple[str, int]] = []
-
-    def map(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> None:
-        self.ports[str(address)] = port
-
-    def __call__(self, address: Any, port: int) -> Any:
-        self.dialled.append((str(address), port))
-        target = self.ports.get(str(address))
-        if target is None:
-            # An address the test did not map: a closed loopback port, so the dial fails.
-            return endpoints.TCP4ClientEndpoint(self.reactor, "127.0.0.1", 1, timeout=5)
-        return endpoints.TCP4ClientEndpoint(self.reactor, "127.0.0.1", target, timeout=5)

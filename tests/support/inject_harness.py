@@ -26,26 +26,11 @@ from zope.interface import implementer
 from agentsandbox.config import GITHUB_HOSTS, InjectRule, githubRules
 from agentsandbox.egress.compat import toX509
 from agentsandbox.egress.inject import Injector, routesFor
+from agentsandbox.egress.testing import FixedToken, MappedDialer, UpstreamPKI
 from agentsandbox.egress.tls import InjectionCA
-from tests.support.inject_github import (
-    FakeGitHub,
-    LoopbackDialer,
-    TestPKI,
-    documentationAddress,
-    listenTLS,
-)
+from tests.support.inject_github import FakeGitHub, documentationAddress, listenTLS
 
 TOKEN = "ghu_" + "C4n4ryT0k3n" * 3 + "Zz"
-
-
-@dataclass
-class FixedToken:
-    """A token holder the test sets directly (the keeper has its own tests)."""
-
-    value: str | None = TOKEN
-
-    def token(self) -> str | None:
-        return self.value
 
 
 class Tracked(WrappingFactory):
@@ -109,11 +94,11 @@ class InjectHarness:
     ) -> None:
         self.reactor = reactor
         self.rules = rules or githubRules()
-        self.holder = token or FixedToken()
+        self.holder = token or FixedToken(TOKEN)
         self.dir = tempfile.mkdtemp(prefix="agentsandbox-inject-")
         self.gitRoot = os.path.join(self.dir, "git")
         os.makedirs(self.gitRoot)
-        self.pki = TestPKI.create()
+        self.pki = UpstreamPKI.create()
         self.fake = FakeGitHub(token=TOKEN, gitRoot=self.gitRoot)
         self.ports: list[IListeningPort] = []
         hosts = [h for r in self.rules for h in r.hosts]
@@ -122,7 +107,7 @@ class InjectHarness:
             reactor, self.track(self.fake.site()), self.pki.serverOptions([*GITHUB_HOSTS, *hosts, "codeload.github.com"])
         )
         self.ports.append(self.upstream)
-        self.dialer = LoopbackDialer(reactor)
+        self.dialer = MappedDialer(reactor)
         self.address = documentationAddress(10)
         upstreamHost = self.upstream.getHost()
         assert isinstance(upstreamHost, IPv4Address)

@@ -342,9 +342,9 @@ def _childMain(argv: list[str]) -> int:
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
     from agentsandbox.config import GITHUB_HOSTS, load
+    from agentsandbox.egress.testing import FixedResolver, MappedDialer, UpstreamPKI
     from agentsandbox.service import makeService
-    from tests.support.egress_fixtures import FixedResolver, MappedDialer
-    from tests.support.inject_github import FakeGitHub, TestPKI, listenTLS
+    from tests.support.inject_github import FakeGitHub, listenTLS
 
     reactor: Any = installed
     logFile: IO[str] = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
@@ -366,7 +366,7 @@ def _childMain(argv: list[str]) -> int:
             return seen
 
     fake = ReportingFake(token=_expectedToken(config), gitRoot=args.git_root)
-    pki = TestPKI.create()
+    pki = UpstreamPKI.create()
     site: Any = fake.site()
     upstream = listenTLS(reactor, site, pki.serverOptions([*GITHUB_HOSTS, "codeload.github.com"]))
     fakePort = int(getattr(upstream.getHost(), "port"))  # noqa: B009 - IAddress has no port attribute
