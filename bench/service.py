@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.service_process import (  # noqa: E402
+from harness.service_process import (  # noqa: E402
     EchoServer,
     ServiceProcess,
     UserDirs,

@@ -20,8 +20,8 @@ import pytest
 from agentsandbox.config import ConfigError, loads
 from agentsandbox.egress.dispatch import MAX_LINE, LineReader, WireError, encode
 from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateDispatchSocket
+from harness.service_process import REPO, HelloServer, ServiceProcess
 from tests.support.broker_support import waitFor
-from tests.support.service_process import REPO, HelloServer, ServiceProcess
 
 DATA = REPO / "agentsandbox" / "data"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.service_process import ServiceProcess
 from tests.support.claude_harness import (
     MANAGED_ROOT,
     ManagedSettingsGuard,
@@ -38,7 +39,6 @@ from tests.support.dispatch_world import (
 )
 from tests.support.mock_messages import MOCK_ERROR, ToolCall
 from tests.support.service_harness import LocalSite
-from tests.support.service_process import ServiceProcess
 from tests.test_service_e2e import BRIDGES_UP
 
 why = usersAvailable() or (None if shutil.which("srt") and shutil.which("bwrap") else "srt/bwrap not installed")

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.service_process import HelloServer
 from tests.support.broker_support import waitFor
 from tests.support.dispatch_world import (
     REGISTERED,
@@ -37,7 +38,6 @@ from tests.support.dispatch_world import (
     usersAvailable,
     waitRegistered,
 )
-from tests.support.service_process import HelloServer
 
 why = usersAvailable()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")

@@ -24,8 +24,8 @@ from agentsandbox import run as runModule
 from agentsandbox.config import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
+from harness.service_process import HelloServer, ServiceProcess, serveArgv
 from tests.conftest import REPO
-from tests.support.service_process import HelloServer, ServiceProcess, serveArgv
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 SRT_TOOLS = ("srt", "bwrap", "socat", "rg", "node")

@@ -190,17 +190,10 @@ def test_the_wait_finder_sees_a_sleep() -> None:
 # ---------------------------------------------------------------------- bench builds on the package
 
 
-#: What bench/ still takes from tests/, each open work of issue 14: the service
-#: benchmark runs the service through the same child-process harness as the
-#: twistd and fault tests, which is repository tooling, not a double of a seam.
-#: Move one, delete it here.
-KNOWN_BENCH_IMPORTS = {"service.py": ["tests.support.service_process"]}
-
-
 @pytest.mark.parametrize("path", sorted((REPO / "bench").glob("*.py")), ids=lambda p: p.name)
 def test_bench_imports_nothing_from_tests(path: Path) -> None:
     tree = ast.parse(path.read_text(), str(path))
     imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     fromTests = [m for m in imported if m == "tests" or m.startswith("tests.")]
-    assert fromTests == KNOWN_BENCH_IMPORTS.get(path.name, [])
+    assert fromTests == []

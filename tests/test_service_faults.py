@@ -30,8 +30,7 @@ import pytest
 from agentsandbox.broker import client
 from agentsandbox.broker import spool as wire
 from agentsandbox.broker.server import STOPPING
-from tests.support.broker_support import waitFor
-from tests.support.service_process import (
+from harness.service_process import (
     REPO,
     EchoServer,
     ServiceProcess,
@@ -42,6 +41,7 @@ from tests.support.service_process import (
     serveArgv,
     writeConfig,
 )
+from tests.support.broker_support import waitFor
 
 #: The shutdown bound the issue sets.
 SIGTERM_BOUND = 5.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 
 from agentsandbox.broker import client
-from tests.support.service_process import (
+from harness.service_process import (
     NOBODY,
     HelloServer,
     ServiceProcess,

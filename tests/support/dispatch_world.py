@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.service_process import NOBODY, REPO, ServiceProcess, UserDirs
 from tests.support.broker_support import waitFor
-from tests.support.service_process import NOBODY, REPO, ServiceProcess, UserDirs
 
 USERS_LOCK = "/tmp/agentsandbox-users.lock"
 REGISTERED = re.compile(r"egress proxy (re-)?registered with the dispatcher")

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 
 _LISTENING = re.compile(r"egress proxy listening on \S*:(\d+)$", re.MULTILINE)
 _BROKER = re.compile(r"broker serving (\S+)")
