@@ -28,6 +28,7 @@ let
         ../README.md
         ../agentsandbox
         ../twisted
+        ../harness
         ../tests
         ../docs
       ];
