@@ -362,12 +362,17 @@ class FrontDoor(Protocol):
         self.terminated = protocol
         self.terminatedAs = (kind, grant, self.factory.clock.seconds())
         protocol.makeConnection(self.transport)
+        self._handOn(protocol.dataReceived, self.readConnectionLost)
+
+    def _handOn(self, receive: Callable[[bytes], None], readLost: Callable[[], None]) -> None:
+        """Give the granted connection's new reader what came while the grant
+        was decided, then the client's EOF if it came too, and read again."""
         pending, self.pending = self.pending, []
         for chunk in pending:
-            protocol.dataReceived(chunk)
+            receive(chunk)
         self.resumeIfPaused()
         if self.pendingEOF:
-            self.readConnectionLost()
+            readLost()
 
     def _splice(
         self, kind: str, grant: Grant, upstream: UpstreamProtocol, granted: Callable[[], None]
@@ -392,12 +397,7 @@ class FrontDoor(Protocol):
         self.tunnel = tunnel
         self.factory.tunnels.add(tunnel)
         self.dataReceived = tunnel.fromClient  # type: ignore[method-assign]
-        pending, self.pending = self.pending, []
-        for chunk in pending:
-            tunnel.fromClient(chunk)
-        self.resumeIfPaused()
-        if self.pendingEOF:
-            tunnel.clientReadLost()
+        self._handOn(tunnel.fromClient, tunnel.clientReadLost)
         if not tunnel.closed:
             self.factory.handOff(tunnel)
 
