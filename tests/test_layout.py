@@ -140,8 +140,8 @@ def test_no_import_circle_inside_the_package() -> None:
     # decision types moved to grant.py) and config <-> policy (when the hook's
     # policy cache moved from policy.py into hook.py).
     graph = importGraph()
-    new = circles(graph)
+    found = circles(graph)
     described = [
-        " ; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(group)))}" for m in group) for group in new
+        " ; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(group)))}" for m in group) for group in found
     ]
-    assert new == [], "new import circles:\n" + "\n".join(described)
+    assert found == [], "import circles:\n" + "\n".join(described)
