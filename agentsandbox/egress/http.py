@@ -6,6 +6,15 @@ refuses exactly what that one refuses (CL+TE, duplicate or list lengths, any
 coding but ``chunked``, obs-fold, bare LF, controls in values, whitespace
 before a colon, ...) with the same ``400 refused: <what>`` texts.
 
+Below the protocol, the framers own the framing state, as on the
+terminated path: the handler reads the client's requests with an
+``http11.RequestFramer`` (one at a time: a pipelining client's next request
+waits in it until the answer is done; CONNECT's leftover is what it held) and
+each exchange reads its origin's response with an ``http11.ResponseFramer``
+(expecting no upgrade: a ``101`` is refused).  The one body loop is theirs;
+this module acts on the parts they hand back, and the audit record's
+``up``/``down`` are their ``payload`` counts.
+
 A request head is parsed whole before anything else happens.  CONNECT (HTTP/1.1
 or 1.0, which Python 3.11's ``http.client`` sends; no body) opens a tunnel.
 An absolute-form ``http://`` request (HTTP/1.1 only, exactly one ``Host``) is
