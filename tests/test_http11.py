@@ -1,14 +1,17 @@
 """The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
-the hop-by-hop rule, the Host rule and the body framers' decisions."""
+the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts."""
 
 from __future__ import annotations
 
 from twisted.trial import unittest
 
 from agentsandbox.egress.http11 import (
+    END,
     ChunkedBody,
     LengthBody,
     Refused,
+    RequestFramer,
+    ResponseFramer,
     UntilClose,
     forwardedLines,
     oneHost,
@@ -69,3 +72,37 @@ class Bodies(unittest.TestCase):
         body.feed(bytearray(b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), out)
         self.assertEqual((body.payload, body.done), (5, True))
         self.assertEqual(b"".join(out), b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+
+
+class FramerPayload(unittest.TestCase):
+    """``payload``: the body bytes of the message a framer began last, past its END (the audit's up/down)."""
+
+    def test_aRequestFramerCountsTheCurrentRequestsBodyUntilTheNextBegins(self) -> None:
+        framer = RequestFramer()
+        self.assertEqual(framer.payload, 0)
+        framer.feed(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nab")
+        self.assertEqual(framer.payload, 2)
+        data = b"cde"
+        parts = framer.feed(data + b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+        self.assertEqual((parts[0], parts[-1], framer.payload), (data, END, 5))
+        framer.next()  # a request with no body begins
+        self.assertEqual(framer.payload, 0)
+        framer.next()
+        framer.feed(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3;x\r\nabc\r\n0\r\n\r\n")
+        self.assertEqual((framer.payload, framer.waiting), (3, True))
+
+    def test_aResponseFramerCountsTheFinalResponsesBodyNotA1xx(self) -> None:
+        framer = ResponseFramer()
+        framer.expect(b"GET")
+        framer.feed(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.assertEqual(framer.payload, 0)
+        framer.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n0\r\n\r\n")
+        self.assertEqual((framer.payload, framer.idle), (4, True))
+        framer.expect(b"GET")
+        framer.feed(b"HTTP/1.1 200 OK\r\n\r\nuntil")
+        self.assertEqual(framer.feed(b" close"), [b" close"])
+        self.assertEqual(framer.closed(True), [END])
+        self.assertEqual(framer.payload, 11)
+        framer.expect(b"HEAD")
+        framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
+        self.assertEqual(framer.payload, 0)

@@ -339,7 +339,7 @@ def oursForwardRequests(pieces: list[bytes]) -> Forwarded:
         exchange = handler.exchange
         if exchange is None or not exchange.requestDone or exchange.upstream is None:
             break
-        ends.append(total - len(handler.buf))
+        ends.append(total - handler.requests.buffered)
         exchange.upstream.dataReceived(NEXT_PLEASE)
     out = client.value()
     refused = None

@@ -6,6 +6,15 @@ refuses exactly what that one refuses (CL+TE, duplicate or list lengths, any
 coding but ``chunked``, obs-fold, bare LF, controls in values, whitespace
 before a colon, ...) with the same ``400 refused: <what>`` texts.
 
+Below the protocol, the framers own the framing state, as on the
+terminated path: the handler reads the client's requests with an
+``http11.RequestFramer`` (one at a time: a pipelining client's next request
+waits in it until the answer is done; CONNECT's leftover is what it held) and
+each exchange reads its origin's response with an ``http11.ResponseFramer``
+(expecting no upgrade: a ``101`` is refused).  The one body loop is theirs;
+this module acts on the parts they hand back, and the audit record's
+``up``/``down`` are their ``payload`` counts.
+
 A request head is parsed whole before anything else happens.  CONNECT (HTTP/1.1
 or 1.0, which Python 3.11's ``http.client`` sends; no body) opens a tunnel.
 An absolute-form ``http://`` request (HTTP/1.1 only, exactly one ``Host``) is
@@ -36,17 +45,17 @@ from zope.interface import implementer
 
 from agentsandbox.egress.grant import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
-    Body,
+    CHUNKED,
+    END,
+    UNTIL_CLOSE,
     Head,
-    LengthBody,
+    Part,
     Refused,
-    UntilClose,
-    connectionTokens,
+    RequestFramer,
+    ResponseFramer,
+    Started,
     forwardedLines,
     oneHost,
-    requestBody,
-    responseBody,
-    takeRequestHead,
     takeResponseHead,
 )
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
@@ -87,78 +96,105 @@ def parseAuthority(target: str) -> tuple[str, int] | None:
 
 
 class HTTPHandler:
-    """Reads request heads (``http11``) and serves CONNECT and absolute-form forwarding.
+    """Reads the client's requests (an ``http11.RequestFramer``) and serves
+    CONNECT and absolute-form forwarding.
 
-    One exchange at a time: a pipelining client's next head waits in ``buf``
-    until the response to the current one is done.
+    One exchange at a time: a pipelining client's next request waits in the
+    framer until the response to the current one is done (``next``).
     """
 
     kind = "http"
 
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
-        self.buf = bytearray()
+        self.requests = RequestFramer()
         self.exchange: ForwardExchange | None = None
-        self.waiting = False  # for a tunnel: bytes go to the door
         self.closed = False
         self.clientDone = False  # the client half-closed
         self.aheadPaused = False
 
     def dataReceived(self, data: bytes) -> None:
-        if self.waiting:
+        requests = self.requests
+        if requests.switched:  # CONNECT: what the client sends goes to the door
             self.door.buffered(data)
             return
-        exchange = self.exchange
-        if exchange is not None and not self.buf and exchange.passesThrough():
-            # The body of an upload, with nothing buffered: no copy.
-            data = exchange.bodyData(data)
-            if not data:
-                return
-        self.buf += data
-        self.process()
+        if self.closed:
+            return
+        # (An upload body with nothing held comes back as ``data`` itself: no copy.)
+        self._take(requests.feed(data))
 
     def readConnectionLost(self) -> None:
-        if self.waiting:
+        if self.requests.switched:
             return
         self.clientDone = True
         exchange = self.exchange
         if exchange is not None and not exchange.requestDone:
             exchange.abort("the client closed during its request")
             return
-        self.process()
+        self._idle()
 
     def connectionLost(self, reason: Failure) -> None:
         self.closed = True
         if self.exchange is not None:
             self.exchange.clientLost()
 
-    def process(self) -> None:
-        buf = self.buf
-        while not self.closed and not self.door.gone:
-            exchange = self.exchange
-            if exchange is not None:
-                if not exchange.requestDone:
-                    if exchange.pumpRequest(buf) and self.exchange is exchange:
-                        continue
-                    return
-                if len(buf) > MAX_READ_AHEAD and not self.aheadPaused:
-                    self.aheadPaused = True
-                    self.door.transport.pauseProducing()
+    def _take(self, parts: list[Part]) -> None:
+        """Act on the parts of the client's stream the framer handed back, in order.
+
+        A head's own refusals (CONNECT with a body, not ``http://``, ...) come
+        before its body's; the body bytes of one pass go on in one write, and
+        none of them if the pass ends refused (the framer hands a refusal back
+        last).  A new request's origin is dialled only after the body that came
+        with its head was checked: a bad chunk in the first segment reaches no
+        origin.
+        """
+        out: list[bytes] = []
+        started: ForwardExchange | None = None
+        for part in parts:
+            if self.closed or self.door.gone:
                 return
-            try:
-                head = takeRequestHead(buf)
-            except Refused as e:
-                self.fail(e.status, e.text, parse=True)
+            if part.__class__ is bytes:
+                out.append(part)
+            elif part.__class__ is Started:
+                self.onRequest(part.head)
+                started = self.exchange
+            elif isinstance(part, Refused):
+                exchange = self.exchange
+                if exchange is not None:
+                    exchange.abort(part.text, parse=True, status=part.status)
+                else:
+                    self.fail(part.status, part.text, parse=True)
                 return
-            if head is None:
-                if self.clientDone:
-                    if buf:
-                        self.fail(400, "refused: the connection ended inside a request head", parse=True)
-                    else:
-                        self.closed = True
-                        self.door.transport.loseConnection()
-                return
-            self.onRequest(head)
+        exchange = self.exchange
+        if exchange is not None:
+            if out:
+                exchange.sendUp(out[0] if len(out) == 1 else b"".join(out))
+            if exchange is started and not exchange.done:
+                exchange.dial()
+        self.checkAhead()
+        self._idle()
+
+    def checkAhead(self) -> None:
+        """Stop reading a pipelining client that runs too far ahead of its answers."""
+        if (
+            self.exchange is not None
+            and self.requests.ahead > MAX_READ_AHEAD
+            and not self.aheadPaused
+            and not self.closed
+            and not self.door.gone
+        ):
+            self.aheadPaused = True
+            self.door.transport.pauseProducing()
+
+    def _idle(self) -> None:
+        """With no exchange, at the client's EOF: close, or refuse the head it cut short."""
+        if self.exchange is not None or not self.clientDone or self.closed or self.door.gone:
+            return
+        if self.requests.buffered:
+            self.fail(400, "refused: the connection ended inside a request head", parse=True)
+        else:
+            self.closed = True
+            self.door.transport.loseConnection()
 
     def fail(self, status: int, text: str, parse: bool = False) -> None:
         self.closed = True
@@ -177,9 +213,7 @@ class HTTPHandler:
             if head.chunked or head.length:
                 self.fail(400, "refused: a CONNECT request with a body", parse=True)
                 return
-            leftover = bytes(self.buf)
-            self.buf.clear()
-            self.connect(target, leftover)
+            self.connect(target)
             return
         if target[:7].lower() != "http://":
             self.fail(400, NOT_A_PROXY_REQUEST, parse=True)
@@ -196,14 +230,14 @@ class HTTPHandler:
         self.exchange = exchange
         exchange.start()
 
-    def connect(self, target: str, leftover: bytes) -> None:
-        """A complete CONNECT head for ``target``; ``leftover`` is what the client sent after it."""
+    def connect(self, target: str) -> None:
+        """A complete CONNECT head for ``target``: the framer switches, and
+        what the client sent after the head goes to the door."""
         authority = parseAuthority(target)
         if authority is None:
             self.fail(400, f"CONNECT wants host:port, not {target!r}", parse=True)
             return
-        self.waiting = True
-        self.door.buffered(leftover)
+        self.door.buffered(self.requests.switch())
         host, port = authority
         self.door.openTunnel("connect", host, port, self._granted, self._refused)
 
@@ -225,14 +259,16 @@ class HTTPHandler:
             self.aheadPaused = False
             self.door.transport.resumeProducing()
         self.door.armHeaderTimer()
-        self.process()
-
-
-_HEAD, _BODY, _DONE = range(3)
+        self._take(self.requests.next())
 
 
 class ForwardExchange:
-    """One absolute-form request forwarded to its origin, its response streamed back."""
+    """One absolute-form request forwarded to its origin, its response streamed back.
+
+    The request is read by the handler's ``RequestFramer``, the response by
+    this exchange's own ``ResponseFramer``; what is done and how many body
+    bytes passed are theirs to say.
+    """
 
     def __init__(self, handler: HTTPHandler, head: Head, target: str) -> None:
         self.handler = handler
@@ -244,19 +280,26 @@ class ForwardExchange:
         self.grant: Grant | None = None
         self.host: str | None = None
         self.port: int | None = None
-        self.requestBody = requestBody(head)
-        self.requestDone = self.requestBody is None
-        self.closeAfter = b"close" in connectionTokens(head.fields)
+        # (HTTP/1.1 only here, so: the request said Connection: close.)
+        self.closeAfter = handler.requests.closing
         self.queued: list[bytes] = []  # for the origin, until it is connected
-        self.state = _HEAD  # of the response
-        self.responseBody: Body | None = None
-        self.rbuf = bytearray()
-        self.responseStarted = False
-        self.status: int | None = None
+        self.responses = ResponseFramer()
+        self.status: int | None = None  # of the final response, once its head is read
         self.done = False
+
+    @property
+    def requestDone(self) -> bool:
+        """The request was read to its end (while this is the handler's exchange)."""
+        return self.handler.requests.waiting
+
+    @property
+    def responseStarted(self) -> bool:
+        """The final response's head went to the client."""
+        return self.status is not None
 
     # ---------------------------------------------------------------- the request
     def start(self) -> None:
+        """Check the URL and queue the head for the origin (``dial`` follows)."""
         # The URL's authority is read by the same parser as CONNECT's (port 80
         # when absent): urlsplit would read ':0' as "no port" (so 80) and
         # ':0080' as 80 while the origin is sent the authority as written.
@@ -284,54 +327,26 @@ class ForwardExchange:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"connection: close\r\n\r\n")
         self.queued.append(b"".join(lines))
-        # Check what is here of the body before any dial: a bad chunk in the
-        # first segment reaches no origin.
-        if not self.requestDone:
-            self.pumpRequest(self.handler.buf)
-            if self.done:
-                return
+
+    def dial(self) -> None:
+        """Decide and dial the origin (the handler calls this once the body
+        that came with the head was checked and queued)."""
+        host, port = self.host, self.port
+        assert host is not None and port is not None  # (start read them)
         self.door.transport.pauseProducing()
         factory = self.door.factory
         d = factory.decide(self.door.config, host, port)
         d.addCallback(self._granted)
         d.addErrback(self._refused)
 
-    def passesThrough(self) -> bool:
-        """Whether the next client bytes are request body that needs no parsing."""
-        return not self.requestDone and isinstance(self.requestBody, LengthBody) and self.upstream is not None
-
-    def bodyData(self, data: bytes) -> bytes:
-        """Pass on the part of ``data`` that is request body; the rest."""
-        body = self.requestBody
-        assert isinstance(body, LengthBody)
-        part, rest = body.split(data)
-        self._sendUp(part)
-        if body.done:
-            self.requestDone = True
-        return rest
-
-    def pumpRequest(self, buf: bytearray) -> bool:
-        """Take what ``buf`` holds of the request body; whether the request is done."""
-        body = self.requestBody
-        if body is None or self.done:
-            return self.requestDone
-        out: list[bytes] = []
-        try:
-            body.feed(buf, out)
-        except Refused as e:
-            self.abort(e.text, parse=True, status=e.status)
-            return False
-        if body.done:
-            self.requestDone = True
-        if out:
-            self._sendUp(out[0] if len(out) == 1 else b"".join(out))
-        return self.requestDone
-
-    def _sendUp(self, data: bytes) -> None:
+    def sendUp(self, data: bytes) -> None:
+        """Request body bytes the framer passed: to the origin, or queued until it is connected."""
+        if self.done:
+            return
         upstream = self.upstream
         if upstream is None:
             self.queued.append(data)
-        elif data:
+        else:
             upstream.transport.write(data)
 
     def _granted(self, grant: Grant) -> Deferred[Any]:
@@ -370,48 +385,38 @@ class ForwardExchange:
             upstream.transport.abortConnection()
             return
         self.upstream = upstream
+        # (No upgrade is asked for on this path: a 101 is refused.)
+        self.responses.expect(self.method)
         queued, self.queued = self.queued, []
         upstream.transport.write(b"".join(queued))
         client = self.door.transport
         client.registerProducer(upstream.transport, True)
         upstream.transport.registerProducer(client, True)
         client.resumeProducing()
-        self.handler.process()
+        self.handler.checkAhead()
 
     # ---------------------------------------------------------------- the response
     def fromUpstream(self, data: bytes) -> None:
         if self.done:
             return
-        body = self.responseBody
-        if self.state is _BODY and not self.rbuf and isinstance(body, (LengthBody, UntilClose)):
-            part, _ = body.split(data)  # (what follows was never asked for: the origin closes)
-            self.door.transport.write(part)
-            if body.done:
-                self._responseEnded()
+        parts = self.responses.feed(data)
+        if len(parts) == 1 and parts[0].__class__ is bytes:
+            self.door.transport.write(parts[0])  # a read of body (often ``data`` itself)
             return
-        buf = self.rbuf
-        buf += data
         out: list[bytes] = []
         ended = False
         why = None
-        try:
-            while buf and not ended:
-                if self.state is _HEAD:
-                    head = takeResponseHead(buf)
-                    if head is None:
-                        break
-                    ended = self._responseHead(head, out)
-                elif self.state is _BODY:
-                    body = self.responseBody
-                    assert body is not None
-                    body.feed(buf, out)
-                    if not body.done:
-                        break
-                    ended = True
-                else:
-                    break
-        except Refused as e:
-            why = e.why
+        for part in parts:
+            if part.__class__ is bytes:
+                out.append(part)
+            elif part.__class__ is Started:
+                out.append(self._responseHead(part))
+            elif part is END:
+                # (What follows was never asked for: the origin is closed.)
+                ended = True
+                break
+            elif isinstance(part, Refused):
+                why = part.why
         if out:
             self.door.transport.write(out[0] if len(out) == 1 else b"".join(out))
         if why is not None:
@@ -419,40 +424,34 @@ class ForwardExchange:
         elif ended:
             self._responseEnded()
 
-    def _responseHead(self, head: Head, out: list[bytes]) -> bool:
-        """Relay a response head into ``out``; whether the response ended with it."""
+    def _responseHead(self, started: Started) -> bytes:
+        """The head the client gets for a response head the framer read."""
+        head = started.head
         status, reason = head.start
-        if status[0] == 0x31:  # 1xx
-            if status == b"101":
-                raise Refused(502, "switched protocols without being asked to")
-            out.append(b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields)))
-            return False
-        body = responseBody(head, self.method)
+        if started.informational:  # (never a 101: the framer refuses one nobody asked for)
+            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields))
+        framing = started.framing
         extra = b""
-        if isinstance(body, UntilClose):
+        if framing is UNTIL_CLOSE:
             # Delimited by the origin closing: so is the client's copy.
             self.closeAfter = True
             extra = b"connection: close\r\n"
         else:
-            if head.chunked and body is not None:
+            if framing is CHUNKED:
                 extra = b"transfer-encoding: chunked\r\n"
             if self.closeAfter:
                 extra += b"connection: close\r\n"
-        out.append(b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra))
-        self.responseStarted = True
         self.status = int(status)
-        self.responseBody = body
-        self.state = _DONE if body is None else _BODY
-        return body is None
+        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra)
 
     def _responseEnded(self) -> None:
-        self.state = _DONE
         self.finish(reusable=self.requestDone and not self.closeAfter)
 
     def upstreamLost(self, reason: Failure) -> None:
         if self.done:
             return
-        if self.state is _BODY and isinstance(self.responseBody, UntilClose) and reason.check(ConnectionDone):
+        # A body delimited by the close ends cleanly only on ConnectionDone.
+        if self.responses.closed(reason.check(ConnectionDone) is not None):
             self._responseEnded()
             return
         self.upstreamFailed(f"{self.host} closed the connection: {reason.getErrorMessage()}")
@@ -512,8 +511,10 @@ class ForwardExchange:
             via=("parent" if grant is not None and grant.viaParent else "direct"),
             status=self.status,
             reason=why,
-            up=0 if self.requestBody is None else self.requestBody.payload,
-            down=0 if self.responseBody is None else self.responseBody.payload,
+            # Payload bytes of the bodies (the chunked framing not counted):
+            # the framers still hold this exchange's request and response.
+            up=self.handler.requests.payload,
+            down=self.responses.payload,
         )
         if self.handler.exchange is self and why is not None:
             self.handler.exchange = None

@@ -35,8 +35,9 @@ What it owns:
   says what it answers, a ``101`` only to the protocol asked for, bytes
   nobody asked for refused).  They own each message's framing state and the
   one body loop, and hand back parts (``Started``, body bytes, ``END``,
-  ``SWITCHED``, a last ``Refused``) for the protocol above to act on; the
-  terminated path (``inject.py``) sits on them.
+  ``SWITCHED``, a last ``Refused``) for the protocol above to act on, and
+  count each message's body bytes (``payload``); both paths sit on them, the
+  forward path (``http.py``) and the terminated path (``inject.py``).
 
 Nothing here does IO, logs, or knows which path it serves.
 """
@@ -510,11 +511,13 @@ _HEAD, _BODY, _WAIT, _SWITCHED, _BROKEN = range(5)
 class _Framer:
     """What both directions share: the buffer, the one body loop, the fast path."""
 
-    __slots__ = ("_body", "_buf", "_state", "closing", "switched")
+    __slots__ = ("_body", "_buf", "_counted", "_state", "closing", "switched")
 
     def __init__(self, state: int) -> None:
         self._buf = bytearray()
         self._body: Body | None = None
+        #: The body of the message begun last, kept past its end for ``payload``.
+        self._counted: Body | None = None
         self._state = state
         #: A message said the connection ends after it (HTTP/1.0,
         #: ``Connection: close``, a body delimited by the close).
@@ -527,6 +530,14 @@ class _Framer:
     def buffered(self) -> int:
         """Bytes received and not handed out yet (the start of what comes next)."""
         return len(self._buf)
+
+    @property
+    def payload(self) -> int:
+        """Body bytes (the framing not counted) of the message begun last:
+        passed so far, or in all once it ended; 0 before any, or for one with
+        no body (a 1xx response begins none)."""
+        counted = self._counted
+        return 0 if counted is None else counted.payload
 
     def _switch(self) -> None:
         self._state = _SWITCHED
@@ -602,6 +613,7 @@ class _Framer:
                         self.closing = b"close" in connectionTokens(head.fields)
                         break
         parts.append(Started(head, framing))
+        self._counted = body
         if body is None:
             parts.append(END)
             self._state = _WAIT
