@@ -322,7 +322,7 @@ class ForwardExchange:
         path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
         head = self.head
         lines = [self.method, b" ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", authority, b"\r\n"]
-        lines.append(forwardedLines(head.fields, _HOST_ONLY))
+        lines.append(forwardedLines(head, _HOST_ONLY))
         if head.chunked:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"connection: close\r\n\r\n")
@@ -429,7 +429,7 @@ class ForwardExchange:
         head = started.head
         status, reason = head.start
         if started.informational:  # (never a 101: the framer refuses one nobody asked for)
-            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields))
+            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head))
         framing = started.framing
         extra = b""
         if framing is UNTIL_CLOSE:
@@ -442,7 +442,7 @@ class ForwardExchange:
             if self.closeAfter:
                 extra += b"connection: close\r\n"
         self.status = int(status)
-        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra)
+        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head), extra)
 
     def _responseEnded(self) -> None:
         self.finish(reusable=self.requestDone and not self.closeAfter)

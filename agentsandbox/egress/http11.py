@@ -8,10 +8,11 @@ runtime no longer uses (h11 stays as the tests' oracle).
 
 What it owns:
 
-* ``Head``: a checked message head (start line, lower-case fields, framing).
+* ``Head``: a checked message head (start line, lower-case fields, framing,
+  the options its ``Connection`` fields list).
 * ``parseRequestHead`` / ``parseResponseHead``: one regular-expression pass
-  over a whole head against RFC 9112's grammar, then the framing decision
-  (``framing``).  Refused, each with a text naming what: a bare LF line end,
+  over a whole head against RFC 9112's grammar, then one pass over its fields
+  for the framing decision and the ``Connection`` options.  Refused, each with a text naming what: a bare LF line end,
   obsolete line folding, whitespace before a colon, a control character
   (NUL, CR, ...) in a value, a malformed request or status line, more than one
   or a list-valued ``Content-Length``, a signed, hex or over-long one,
@@ -110,7 +111,8 @@ class Refused(Exception):
 
 
 class Head(NamedTuple):
-    """A checked message head: start line, (lower-case name, value) fields, framing.
+    """A checked message head: start line, (lower-case name, value) fields,
+    framing, and the options its ``Connection`` fields list.
 
     (A named tuple, like ``Started``: one is made for every message, and a
     frozen dataclass costs three times as much to build.)
@@ -121,44 +123,56 @@ class Head(NamedTuple):
     fields: tuple[tuple[bytes, bytes], ...]
     length: int | None  # Content-Length, when given
     chunked: bool
+    #: The lower-case options every ``Connection`` field lists (empty without one).
+    connection: frozenset[bytes] = frozenset()
 
     def values(self, name: bytes) -> list[bytes]:
         """The values of every field called ``name`` (lower case), in order."""
         return [v for n, v in self.fields if n == name]
 
 
-def _fields(head: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    out = []
+_NO_OPTIONS: frozenset[bytes] = frozenset()
+# A NamedTuple's own __new__ is a Python function: a frame per message, on the
+# path every request and response takes.  tuple.__new__ builds the same value.
+_newTuple = tuple.__new__
+
+
+def _parsed(head: bytes, start: tuple[bytes, bytes], minor: int, refusal: int) -> Head:
+    """The ``Head`` of a head whose grammar matched: its fields, framing and
+    ``Connection`` options read in one pass (this runs for every message, both
+    paths), every ambiguous framing refused with ``refusal``."""
+    fields = []
+    lengths = codings = 0
+    length = coding = b""
+    connection = _NO_OPTIONS
     for line in head.split(b"\r\n")[1:-2]:
         name, _, value = line.partition(b":")
-        out.append((name.lower(), value.strip(b" \t")))
-    return tuple(out)
-
-
-def framing(fields: tuple[tuple[bytes, bytes], ...], refusal: int) -> tuple[int | None, bool]:
-    """(Content-Length, chunked) from the fields, refusing every ambiguous shape."""
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
-    for n, v in fields:  # (one pass: this runs for every message, both paths)
-        if n == b"content-length":
-            lengths.append(v)
-        elif n == b"transfer-encoding":
-            codings.append(v)
+        name = name.lower()
+        value = value.strip(b" \t")
+        fields.append((name, value))
+        if name == b"content-length":
+            lengths += 1
+            length = value
+        elif name == b"transfer-encoding":
+            codings += 1
+            coding = value
+        elif name == b"connection":
+            connection = connection | {t.strip().lower() for t in value.split(b",")}
     if not (lengths or codings):
-        return None, False
+        return _newTuple(Head, (start, minor, tuple(fields), None, False, connection))
     if lengths and codings:
         raise Refused(refusal, "Content-Length together with Transfer-Encoding")
-    if len(lengths) > 1:
+    if lengths > 1:
         raise Refused(refusal, "more than one Content-Length")
-    if len(codings) > 1:
+    if codings > 1:
         raise Refused(refusal, "more than one Transfer-Encoding")
     if codings:
-        if codings[0] != b"chunked":
+        if coding != b"chunked":
             raise Refused(refusal, "a Transfer-Encoding other than exactly chunked")
-        return None, True
-    if _DIGITS.fullmatch(lengths[0]) is None:
+        return _newTuple(Head, (start, minor, tuple(fields), None, True, connection))
+    if _DIGITS.fullmatch(length) is None:
         raise Refused(refusal, "a malformed Content-Length")
-    return int(lengths[0]), False
+    return _newTuple(Head, (start, minor, tuple(fields), int(length), False, connection))
 
 
 def parseRequestHead(head: bytes) -> Head:
@@ -166,9 +180,8 @@ def parseRequestHead(head: bytes) -> Head:
     match = _REQUEST_HEAD.fullmatch(head)
     if match is None:
         raise Refused(400, _whyMalformed(head))
-    fields = _fields(head)
-    length, chunked = framing(fields, 400)
-    return Head((match.group(1), match.group(2)), int(match.group(3)), fields, length, chunked)
+    method, target, minor = match.groups()
+    return _parsed(head, (method, target), int(minor), 400)
 
 
 def parseResponseHead(head: bytes) -> Head:
@@ -176,9 +189,8 @@ def parseResponseHead(head: bytes) -> Head:
     match = _RESPONSE_HEAD.fullmatch(head)
     if match is None:
         raise Refused(502, "answered with a malformed response head")
-    fields = _fields(head)
-    length, chunked = framing(fields, 502)
-    return Head((match.group(2), match.group(3) or b""), int(match.group(1)), fields, length, chunked)
+    minor, status, reason = match.groups()
+    return _parsed(head, (status, reason or b""), int(minor), 502)
 
 
 def _whyMalformed(head: bytes) -> str:
@@ -252,29 +264,22 @@ def oneHost(head: Head) -> bytes:
     return hosts[0]
 
 
-def connectionTokens(fields: tuple[tuple[bytes, bytes], ...]) -> set[bytes]:
-    """The lower-case options every ``Connection`` field lists."""
-    return {t.strip().lower() for n, v in fields if n == b"connection" for t in v.split(b",")}
-
-
 #: ``HOP_BY_HOP | drop`` per ``drop`` a caller passes (a few constants).
 _GONE: dict[frozenset[bytes], frozenset[bytes]] = {}
 
 
-def forwardedLines(fields: tuple[tuple[bytes, bytes], ...], drop: frozenset[bytes] = frozenset()) -> bytes:
-    """The ``name: value`` lines (each with its CRLF) a proxy passes on: no
-    field of ``HOP_BY_HOP``, no ``Proxy-*``, none its ``Connection`` names
-    (except the framing), none in ``drop``."""
+def forwardedLines(head: Head, drop: frozenset[bytes] = frozenset()) -> bytes:
+    """The ``name: value`` lines (each with its CRLF) a proxy passes on of
+    ``head``'s fields: no field of ``HOP_BY_HOP``, no ``Proxy-*``, none its
+    ``Connection`` names (except the framing), none in ``drop``."""
     gone = _GONE.get(drop)
     if gone is None:
         gone = _GONE[drop] = HOP_BY_HOP | drop
-    for name, _ in fields:
-        if name == b"connection":
-            gone = gone | (connectionTokens(fields) - FRAMING)
-            break
+    if head.connection:
+        gone = gone | (head.connection - FRAMING)
     # (n[0] first: an int, so no slice is made for names that cannot match)
     return b"".join(
-        [b"%b: %b\r\n" % (n, v) for n, v in fields if n not in gone and not (n[0] == 0x70 and n[:6] == b"proxy-")]
+        [b"%b: %b\r\n" % (n, v) for n, v in head.fields if n not in gone and not (n[0] == 0x70 and n[:6] == b"proxy-")]
     )
 
 
@@ -299,12 +304,19 @@ class LengthBody:
         """Body bytes passed so far."""
         return self.length - self.left
 
-    def feed(self, buf: bytearray, out: Out) -> None:
-        """Take what ``buf`` holds of the body (deleting it), appending it to ``out``."""
-        take = min(self.left, len(buf))
-        out.append(bytes(buf[:take]))
-        del buf[:take]
-        self.left -= take
+    def feed(self, buf: bytearray, out: Out) -> bool:
+        """Take what ``buf`` holds of the body (deleting it), appending it to
+        ``out``; whether the body ended."""
+        left = self.left
+        if len(buf) <= left:
+            self.left = left - len(buf)
+            out.append(bytes(buf))
+            buf.clear()
+        else:
+            self.left = 0
+            out.append(bytes(buf[:left]))
+            del buf[:left]
+        return not self.left
 
     def split(self, data: bytes) -> tuple[bytes, bytes]:
         """(the part of ``data`` that is body, the rest), without copying a
@@ -326,10 +338,11 @@ class UntilClose:
     def __init__(self) -> None:
         self.payload = 0
 
-    def feed(self, buf: bytearray, out: Out) -> None:
+    def feed(self, buf: bytearray, out: Out) -> bool:
         self.payload += len(buf)
         out.append(bytes(buf))
         buf.clear()
+        return False
 
     def split(self, data: bytes) -> tuple[bytes, bytes]:
         """(``data``, nothing): every byte until the close is body."""
@@ -360,8 +373,9 @@ class ChunkedBody:
     def done(self) -> bool:
         return self._state == self._DONE
 
-    def feed(self, buf: bytearray, out: Out) -> None:
-        """Take what ``buf`` holds of the body (deleting it), appending re-framed bytes to ``out``."""
+    def feed(self, buf: bytearray, out: Out) -> bool:
+        """Take what ``buf`` holds of the body (deleting it), appending
+        re-framed bytes to ``out``; whether the body ended."""
         pos = 0
         end = len(buf)
         refusal = self._refusal
@@ -417,6 +431,7 @@ class ChunkedBody:
             else:
                 break
         del buf[:pos]
+        return self._state == self._DONE
 
 
 Body = LengthBody | ChunkedBody | UntilClose
@@ -556,41 +571,40 @@ class _Framer:
 
     def feed(self, data: bytes) -> list[Part]:
         """The parts ``data`` completes, with what was held before it."""
+        parts: list[Part] = []
+        buf = self._buf
         state = self._state
-        if state == _HEAD:
-            self._buf += data
-            return self._read([])
-        if state == _BODY and not self._buf:
+        if state == _BODY and not buf:
             body = self._body
+            assert body is not None
             if not isinstance(body, ChunkedBody):
-                assert body is not None
                 # Nothing held and a body passed as it came: hand back a slice.
-                part, rest = body.split(data)
-                parts: list[Part] = [part] if part else []
+                part, data = body.split(data)
+                if part:
+                    parts.append(part)
                 if not body.done:
                     return parts
-                self._ended(parts)
-                if not rest:
+                parts.append(END)
+                self._body = None
+                self._state = _WAIT
+                if not data:
                     return parts
-                self._buf += rest
-                return self._read(parts)
-        if state == _SWITCHED:
-            return [data] if data else []
-        if state == _BROKEN:
-            return []
-        self._buf += data
-        return self._read([])
-
-    def _read(self, parts: list[Part]) -> list[Part]:
-        buf = self._buf
+        elif state == _SWITCHED:
+            if data:
+                parts.append(data)
+            return parts
+        elif state == _BROKEN:
+            return parts
+        buf += data
         try:
+            # (The loop is here, not in a method of its own: it runs for every
+            # message on both paths, and a call is a frame.)
             while buf:
                 state = self._state
                 if state == _BODY:
                     body = self._body
                     assert body is not None
-                    body.feed(buf, parts)
-                    if not body.done:
+                    if not body.feed(buf, parts):
                         break  # all of it taken, or what is left is part of a chunk line
                     parts.append(END)
                     self._body = None
@@ -612,17 +626,11 @@ class _Framer:
     def _begin(self, head: Head, body: Body | None, parts: list[Part]) -> None:
         """A message with ``body`` (None: none) starts; its head is ``parts``' next."""
         framing = _FRAMING_OF[type(body)]
-        if not self.closing:
-            # HTTP/1.0 (h11 keeps no 1.0 connection alive either), a body the
-            # close delimits, or Connection: close.
-            if head.minor == 0 or framing is UNTIL_CLOSE:
-                self.closing = True
-            else:
-                for name, _ in head.fields:
-                    if name == b"connection":
-                        self.closing = b"close" in connectionTokens(head.fields)
-                        break
-        parts.append(Started(head, framing))
+        # HTTP/1.0 (h11 keeps no 1.0 connection alive either), a body the
+        # close delimits, or Connection: close.
+        if not self.closing and (head.minor == 0 or framing is UNTIL_CLOSE or b"close" in head.connection):
+            self.closing = True
+        parts.append(_newTuple(Started, (head, framing, False)))
         self._counted = body
         if body is None:
             parts.append(END)
@@ -674,7 +682,7 @@ class RequestFramer(_Framer):
         if self._state != _WAIT:
             return []
         self._state = _HEAD
-        return self._read([]) if self._buf else []
+        return self.feed(b"") if self._buf else []
 
     def switch(self) -> bytes:
         """Speak another protocol from now on: what is held, returned now, and
@@ -745,14 +753,14 @@ class ResponseFramer(_Framer):
             self._begin(head, responseBody(head, self._method), parts)
             return True
         if status != b"101":
-            parts.append(Started(head, NO_BODY, True))  # the final response follows
+            parts.append(_newTuple(Started, (head, NO_BODY, True)))  # the final response follows
             return True
         upgrade = self._upgrade
         if upgrade is None:
             raise Refused(502, "switched protocols without being asked to")
         if [v.lower() for v in head.values(b"upgrade")] != [upgrade]:
             raise Refused(502, f"switched to something other than {upgrade.decode('ascii', 'replace')}")
-        parts.append(Started(head, NO_BODY, True))
+        parts.append(_newTuple(Started, (head, NO_BODY, True)))
         parts.append(SWITCHED)
         self._switch()
         return True

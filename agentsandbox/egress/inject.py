@@ -95,7 +95,6 @@ from agentsandbox.egress.http11 import (
     RequestFramer,
     ResponseFramer,
     Started,
-    connectionTokens,
     forwardedLines,
 )
 from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
@@ -532,11 +531,11 @@ class _Tunnel(Protocol):
             raise Refused(400, ONE_HOST)
         upgrading = None
         if connection:
-            named = connectionTokens(head.fields)
+            named = head.connection
             if named & {n for n, _ in head.fields}:
                 # (forwardedLines never drops the framing a Connection names)
                 drop = frozenset({b"host", b"authorization", own})
-                lines = [*lines[:5], forwardedLines(head.fields, drop)]
+                lines = [*lines[:5], forwardedLines(head, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
                 upgrading = b"websocket"
@@ -718,10 +717,10 @@ class _Tunnel(Protocol):
             if status == b"101":
                 return b"HTTP/1.1 101 %b\r\n%bconnection: upgrade\r\nupgrade: %b\r\n\r\n" % (
                     reason,
-                    forwardedLines(head.fields),
+                    forwardedLines(head),
                     head.values(b"upgrade")[0],
                 )
-            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head.fields))
+            return b"HTTP/1.1 %b %b\r\n%b\r\n" % (status, reason, forwardedLines(head))
         exchange.responseStarted = True
         framing = started.framing
         extra = b""
@@ -733,7 +732,7 @@ class _Tunnel(Protocol):
             exchange.closeAfter = True
         elif exchange.closeAfter:
             extra = b"connection: close\r\n"
-        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head.fields), extra)
+        return b"HTTP/1.1 %b %b\r\n%b%b\r\n" % (status, reason, forwardedLines(head), extra)
 
     def _switch(self) -> None:
         """The upstream accepted a websocket upgrade: raw bytes both ways from now on."""
