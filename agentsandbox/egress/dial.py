@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.protocol import ClientFactory, Factory, Protocol
@@ -133,29 +133,27 @@ def dialInTurn(
     connected protocol, or fails with ``couldNotConnect`` naming every address tried.
     """
     errors: list[str] = []
-    result: Deferred[P] = Deferred()
 
-    def attempt(index: int) -> None:
+    def attempt(index: int) -> Deferred[P]:
+        # Each failed attempt chains the next: a dial to one address (the
+        # common case) is the one Deferred the connection makes, no more.
         if index >= len(addresses):
-            result.errback(couldNotConnect(host, port, errors))
-            return
+            return fail(couldNotConnect(host, port, errors))
         ip = addresses[index]
         protocol = protocolFor(ip)
 
-        def failed(f: Failure) -> None:
+        def failed(f: Failure) -> Deferred[P]:
             errors.append(f"{ip}: {f.getErrorMessage()}")
-            attempt(index + 1)
+            return attempt(index + 1)
 
         try:
             d = _dialOne(dialer, ip, port, protocol)
         except Exception as e:
             errors.append(f"{ip}: {e}")
-            attempt(index + 1)
-            return
-        d.addCallbacks(lambda _: result.callback(protocol), failed)
+            return attempt(index + 1)
+        return d.addCallbacks(lambda _: protocol, failed)
 
-    attempt(0)
-    return result
+    return attempt(0)
 
 
 def dialTunnel(

@@ -171,8 +171,10 @@ class HTTPHandler:
                 exchange.sendUp(out[0] if len(out) == 1 else b"".join(out))
             if exchange is started and not exchange.done:
                 exchange.dial()
-        self.checkAhead()
-        self._idle()
+        if self.exchange is not None:
+            self.checkAhead()
+        else:
+            self._idle()
 
     def checkAhead(self) -> None:
         """Stop reading a pipelining client that runs too far ahead of its answers."""
