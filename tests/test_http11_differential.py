@@ -36,14 +36,10 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionDone, ConnectionLost
-from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from agentsandbox.egress.http import HTTPHandler
 from agentsandbox.egress.http11 import (
@@ -57,10 +53,8 @@ from agentsandbox.egress.http11 import (
     Started,
     oneHost,
 )
-from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.proxy import EgressProxyFactory
-from agentsandbox.egress.rules import IPAddress
-from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
+from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MemoryDialer
 from tests.support.egress_fixtures import domainsToml, makeConfig
 from tests.test_inject_differential import (
     EXAMPLES,
@@ -274,28 +268,6 @@ FORWARD_TARGETS = (
 FORWARD_EXEMPT = RESPONSE_EXEMPT | {b"host", b"proxy-authorization"}
 
 
-@implementer(IStreamClientEndpoint)
-class _MemoryEndpoint:
-    def __init__(self, upstreams: list[IProtocol]) -> None:
-        self.upstreams = upstreams
-
-    def connect(self, factory: IProtocolFactory) -> Deferred[IProtocol]:
-        protocol = factory.buildProtocol(IPv4Address("TCP", "192.0.2.80", 80))
-        assert protocol is not None
-        protocol.makeConnection(StringTransport())
-        self.upstreams.append(protocol)
-        return succeed(protocol)
-
-
-@implementer(IDialer)
-@dataclass(frozen=True)
-class _MemoryDialer:
-    upstreams: list[IProtocol]
-
-    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
-        return _MemoryEndpoint(self.upstreams)
-
-
 class _HalfCloseTransport(StringTransport):
     def loseWriteConnection(self) -> None:
         self.disconnecting = True
@@ -307,7 +279,7 @@ def _door() -> tuple[Any, StringTransport, list[Any]]:
         FORWARD_CONFIG,
         Clock(),
         resolver=FORWARD_RESOLVER,
-        dialer=_MemoryDialer(upstreams),
+        dialer=MemoryDialer(upstreams),
         peers=AllowAllPeers(),
     )
     door = factory.buildProtocol(None)

@@ -59,18 +59,15 @@ import h11
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer
 from twisted.internet.error import ConnectionDone, ConnectionLost
-from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from agentsandbox.config import EnvSource, InjectRule
 from agentsandbox.egress.http11 import END, MAX_HEAD, Part, Started
-from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
-from agentsandbox.egress.testing import FixedToken
+from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel
+from agentsandbox.egress.testing import FixedToken, MemoryUpstreamPool, memoryTunnel
 
 HOST = "api.example.com"
 HOST_BYTES = HOST.encode("ascii")
@@ -130,43 +127,10 @@ RESPONSE_EXEMPT = frozenset(
 # ---------------------------------------------------------------------- the injector, in memory
 
 
-@implementer(IUpstreamPool)
-class _MemoryInjector:
-    """What ``_Tunnel`` and ``_Upstream`` ask of their ``Injector``, with each
-    upstream connection on a ``StringTransport`` instead of verified TLS."""
-
-    idleTimeout = 300.0
-    upstreamIdleTimeout = 60.0
-    handshakeTimeout = 30.0
-
-    def __init__(self) -> None:
-        self.clock = Clock()
-        self.injectedRequests = 0
-        self.upstreams: list[_Upstream] = []
-
-    def injected(self) -> None:
-        self.injectedRequests += 1
-
-    def acquire(self, host: str, addresses: tuple[Any, ...]) -> defer.Deferred[_Upstream]:
-        upstream = _Upstream(self, host, addresses[0], self.clock)
-        upstream.makeConnection(StringTransport())
-        upstream.handshakeCompleted()
-        self.upstreams.append(upstream)
-        return defer.succeed(upstream)
-
-    def release(self, upstream: _Upstream) -> None:
-        upstream.close()
-
-    def forget(self, upstream: _Upstream) -> None:
-        pass
-
-
-def _terminated() -> tuple[_MemoryInjector, _Tunnel, StringTransport]:
-    injector = _MemoryInjector()
+def _terminated() -> tuple[MemoryUpstreamPool, _Tunnel, StringTransport]:
+    injector = MemoryUpstreamPool()
     verifyObject(IUpstreamPool, injector)
-    tunnel = _Tunnel(injector, Route(HOST, RULE, FixedToken(TOKEN)), (ADDRESS,), injector.clock)
-    client = StringTransport()
-    tunnel.makeConnection(client)
+    tunnel, client = memoryTunnel(injector, Route(HOST, RULE, FixedToken(TOKEN)), (ADDRESS,))
     return injector, tunnel, client
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ast
 import ipaddress
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from zope.interface.verify import verifyObject
 
 from agentsandbox.config import EnvSource
 from agentsandbox.egress.dial import TCPDialer
+from agentsandbox.egress.inject import IUpstreamPool
 from agentsandbox.egress.interfaces import (
     IDialer,
     IPeerChecker,
@@ -37,6 +41,8 @@ from agentsandbox.egress.testing import (
     FixedResolver,
     FixedToken,
     MappedDialer,
+    MemoryDialer,
+    MemoryUpstreamPool,
     RefusingDialer,
 )
 from agentsandbox.tokens import TokenKeeper
@@ -49,7 +55,6 @@ def implementations() -> Iterator[tuple[type[Interface], object]]:
     from tests.test_egress_peer import RecordingPeers
     from tests.test_egress_proxy import FakeTerminator
     from tests.test_egress_rules import NoDialer
-    from tests.test_http11_differential import _MemoryDialer
 
     yield IResolver, SystemResolver(reactor)
     yield IResolver, FixedResolver({})
@@ -57,7 +62,8 @@ def implementations() -> Iterator[tuple[type[Interface], object]]:
     yield IDialer, MappedDialer(reactor)
     yield IDialer, RefusingDialer()
     yield IDialer, NoDialer()
-    yield IDialer, _MemoryDialer([])
+    yield IDialer, MemoryDialer()
+    yield IUpstreamPool, MemoryUpstreamPool()
     yield IPeerChecker, SameUserPeers()
     yield IPeerChecker, ProcNetPeers()
     yield IPeerChecker, AllowAllPeers()
@@ -72,7 +78,7 @@ def test_every_implementation_and_double_provides_its_interface() -> None:
     for interface, implementation in implementations():
         assert verifyObject(interface, implementation), (interface, implementation)
         checked += 1
-    assert checked == 14
+    assert checked == 15
 
 
 def test_the_injector_is_a_terminator() -> None:
@@ -197,3 +203,15 @@ def test_bench_imports_nothing_from_tests(path: Path) -> None:
     imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     fromTests = [m for m in imported if m == "tests" or m.startswith("tests.")]
     assert fromTests == []
+
+
+def test_the_exchange_bench_drives_both_paths_on_the_shipped_doubles() -> None:
+    """``bench/exchange.py`` builds its exchanges from ``agentsandbox.egress.testing``
+    alone; a tiny run checks each path answers (the figures are not judged)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "exchange.py"), "--rounds", "1", "--exchanges", "20"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr
+    for target in ("h11", "terminated", "forward"):
+        assert re.search(rf"^  {target} +[0-9.]+ .* vs h11 +[0-9.]+x$", out.stdout, re.M), out.stdout

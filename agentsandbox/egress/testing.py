@@ -14,13 +14,19 @@ an injector on loopback without reaching into ``tests/`` (treq's
   reads the kernel's socket table, which a test's client passes anyway).
 - ``FixedToken``: an ``ITokenHolder`` whose token the test sets directly.
 - ``UpstreamPKI``: a throwaway root CA and server certificates for a fake origin.
+- ``MemoryDialer``: an ``IDialer`` whose every dial connects at once to a
+  ``StringTransport``, keeping the connected protocols in ``upstreams``.
+- ``MemoryUpstreamPool`` and ``memoryTunnel``: a terminated tunnel past its TLS,
+  its upstream connections on ``StringTransport``, to drive ``inject.py``'s
+  protocols byte by byte (the differential tests and ``bench/exchange.py`` do).
 
 Time is a seam too: ``EgressProxyFactory``, ``Injector`` and
 ``reload.ConfigWatcher`` take a ``clock``; pass ``twisted.internet.task.Clock``
 and advance it past a timeout instead of waiting for one.
 
 Nothing here sends a packet off the machine: an address a ``MappedDialer`` has
-no route for is dialled at a closed loopback port (the dial is refused).
+no route for is dialled at a closed loopback port (the dial is refused), and
+the memory doubles open no socket at all.
 """
 
 from __future__ import annotations
@@ -36,11 +42,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.internet import error, ssl
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from zope.interface import implementer
 
+from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
 from agentsandbox.egress.interfaces import IDialer, IPeerChecker, IResolver, ITokenHolder
 from agentsandbox.egress.resolve import ResolveError
 from agentsandbox.egress.rules import IPAddress
@@ -203,3 +213,74 @@ class UpstreamPKI:
             acceptableProtocols=[b"http/1.1"],
         )
         return options
+
+
+@implementer(IStreamClientEndpoint)
+class _MemoryEndpoint:
+    def __init__(self, upstreams: list[IProtocol], address: IPv4Address) -> None:
+        self._upstreams = upstreams
+        self._address = address
+
+    def connect(self, protocolFactory: IProtocolFactory) -> Deferred[IProtocol]:
+        protocol = protocolFactory.buildProtocol(self._address)
+        assert protocol is not None
+        protocol.makeConnection(StringTransport())
+        self._upstreams.append(protocol)
+        return succeed(protocol)
+
+
+@implementer(IDialer)
+class MemoryDialer:
+    """Every dial connects at once, to a ``StringTransport``: what the protocol
+    sends is its ``transport.value()``, what the origin answers is fed to its
+    ``dataReceived``.  The connected protocols are in ``upstreams``, in order."""
+
+    def __init__(self, upstreams: list[IProtocol] | None = None) -> None:
+        self.upstreams: list[IProtocol] = [] if upstreams is None else upstreams
+
+    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
+        return _MemoryEndpoint(self.upstreams, IPv4Address("TCP", str(ip), port))
+
+
+@implementer(IUpstreamPool)
+class MemoryUpstreamPool:
+    """What a terminated tunnel asks of its ``Injector``, with each upstream
+    connection on a ``StringTransport`` instead of verified TLS (its handshake
+    taken as done).  Every ``acquire`` opens a new one, kept in ``upstreams``;
+    ``release`` closes it rather than keeping it idle; ``injectedRequests``
+    counts the requests a header was set on."""
+
+    idleTimeout = 300.0
+    upstreamIdleTimeout = 60.0
+    handshakeTimeout = 30.0
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = Clock() if clock is None else clock
+        self.injectedRequests = 0
+        self.upstreams: list[_Upstream] = []
+
+    def injected(self) -> None:
+        self.injectedRequests += 1
+
+    def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> Deferred[_Upstream]:
+        upstream = _Upstream(self, host, addresses[0], self.clock)
+        upstream.makeConnection(StringTransport())
+        upstream.handshakeCompleted()
+        self.upstreams.append(upstream)
+        return succeed(upstream)
+
+    def release(self, upstream: _Upstream) -> None:
+        upstream.close()
+
+    def forget(self, upstream: _Upstream) -> None:
+        pass
+
+
+def memoryTunnel(pool: MemoryUpstreamPool, route: Route, addresses: Sequence[IPAddress]) -> tuple[_Tunnel, StringTransport]:
+    """A terminated tunnel for ``route`` past its TLS: the client's decrypted
+    bytes go to its ``dataReceived``, what the client gets is the returned
+    transport's ``value()``; its upstreams come from ``pool``."""
+    tunnel = _Tunnel(pool, route, tuple(addresses), pool.clock)
+    client = StringTransport()
+    tunnel.makeConnection(client)
+    return tunnel, client
