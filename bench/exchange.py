@@ -1,4 +1,4 @@
-"""Benchmark: what one HTTP/1.1 exchange costs each proxy path, in memory, against h11.
+"""Benchmark: what one exchange (or new tunnel) costs each proxy path, in memory, against h11.
 
     .venv/bin/python bench/exchange.py [--rounds 5] [--exchanges 20000] [--callgrind]
                                        [--compare CHECKOUT]
@@ -18,6 +18,11 @@ into the protocols, over and over:
     the plain ``http://`` path: a front door from ``EgressProxyFactory``
     (allow list, address rules, audit record) with a ``MemoryDialer``, one
     origin connection per request as on the real path.
+``tunnel``
+    one new tunnel: CONNECT to an allowed host, the default ``TCPDialer`` on
+    Twisted's ``MemoryReactor`` (the tunnel's own upstream protocol, as in
+    production), four bytes each way, both ends closing (the audit records
+    built).
 ``h11``
     the baseline, measured in the same run: h11 (the grammar's test oracle)
     reading the same request and response and writing each back out, which is
@@ -47,6 +52,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentsandbox.config import Config
 
 HERE = Path(__file__).resolve().parent.parent
 HOST = "api.example.com"
@@ -90,16 +99,12 @@ def _forward() -> Callable[[], None]:
     from twisted.internet.task import Clock
     from twisted.internet.testing import StringTransport
 
-    from agentsandbox.config import loads
     from agentsandbox.egress.proxy import EgressProxyFactory
     from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MemoryDialer
-    from agentsandbox.paths import Paths
 
-    home = tempfile.mkdtemp(prefix="bench-exchange-")
-    config = loads(f'[sandbox]\ndomains = ["{HOST}"]\n'.encode(), "<bench>", Paths.fromEnvironment({"HOME": home}))
     dialer = MemoryDialer()
     factory = EgressProxyFactory(
-        config, Clock(), resolver=FixedResolver({HOST: [ADDRESS]}), dialer=dialer, peers=AllowAllPeers()
+        _config(), Clock(), resolver=FixedResolver({HOST: [ADDRESS]}), dialer=dialer, peers=AllowAllPeers()
     )
     door = factory.buildProtocol(None)
     client = StringTransport()
@@ -115,6 +120,55 @@ def _forward() -> Callable[[], None]:
     if client.disconnecting:
         raise SystemExit("the forward exchange was refused: " + client.value().decode(errors="replace"))
     return exchange
+
+
+def _tunnel() -> Callable[[], None]:
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.error import ConnectionDone
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import MemoryReactor, StringTransport
+    from twisted.python.failure import Failure
+
+    from agentsandbox.egress.dial import TCPDialer
+    from agentsandbox.egress.proxy import EgressProxyFactory
+    from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
+
+    # The default dialer, as in production, on a reactor whose connectTCP is
+    # answered here: the tunnel's own UpstreamProtocol on a StringTransport.
+    reactor = MemoryReactor()
+    factory = EgressProxyFactory(
+        _config(), Clock(), resolver=FixedResolver({HOST: [ADDRESS]}), dialer=TCPDialer(reactor), peers=AllowAllPeers()
+    )
+    connect = b"CONNECT %b:443 HTTP/1.1\r\nHost: %b:443\r\n\r\n" % (HOST.encode(), HOST.encode())
+    last: list[StringTransport] = []  # the last client's transport, to check the first tunnel by
+
+    def exchange() -> None:
+        door = factory.buildProtocol(None)
+        client = StringTransport()
+        door.makeConnection(client)
+        door.dataReceived(connect)
+        host, port, dialled, _, _ = reactor.tcpClients.pop()
+        upstream = dialled.buildProtocol(IPv4Address("TCP", host, port))
+        assert upstream is not None
+        upstream.makeConnection(StringTransport())
+        door.dataReceived(b"ping")
+        upstream.dataReceived(b"pong")
+        last[:] = [client]
+        door.connectionLost(Failure(ConnectionDone()))
+        upstream.connectionLost(Failure(ConnectionDone()))
+
+    exchange()
+    if not last[0].value().endswith(b"pong"):
+        raise SystemExit("the tunnel did not carry its bytes: " + last[0].value().decode(errors="replace"))
+    return exchange
+
+
+def _config() -> Config:
+    from agentsandbox.config import loads
+    from agentsandbox.paths import Paths
+
+    home = tempfile.mkdtemp(prefix="bench-exchange-")
+    return loads(f'[sandbox]\ndomains = ["{HOST}"]\n'.encode(), "<bench>", Paths.fromEnvironment({"HOME": home}))
 
 
 def _h11() -> Callable[[], None]:
@@ -142,7 +196,8 @@ def _h11() -> Callable[[], None]:
     return exchange
 
 
-_PATHS = {"terminated": _terminated, "forward": _forward, "h11": _h11}
+_MEASURED = ("terminated", "forward", "tunnel")
+_PATHS = {"terminated": _terminated, "forward": _forward, "tunnel": _tunnel, "h11": _h11}
 
 
 def worker(path: str, exchanges: int) -> None:
@@ -207,10 +262,10 @@ def main() -> None:
         return
     if args.callgrind and shutil.which("valgrind") is None:
         raise SystemExit("--callgrind needs valgrind (apt install valgrind)")
-    targets = [("h11", HERE, "h11"), ("terminated", HERE, "terminated"), ("forward", HERE, "forward")]
+    targets = [("h11", HERE, "h11")] + [(path, HERE, path) for path in _MEASURED]
     if args.compare is not None:
         other = args.compare.resolve()
-        targets += [("terminated (compare)", other, "terminated"), ("forward (compare)", other, "forward")]
+        targets += [(f"{path} (compare)", other, path) for path in _MEASURED]
     rounds = 1 if args.callgrind else args.rounds  # (an instruction count is the same every time)
     exchanges = min(args.exchanges, 5000) if args.callgrind else args.exchanges
     results: dict[str, list[float]] = {name: [] for name, _, _ in targets}
@@ -233,7 +288,7 @@ def main() -> None:
             f"   vs h11 {median / baseline:5.2f}x"
         )
     if args.compare is not None:
-        for path in ("terminated", "forward"):
+        for path in _MEASURED:
             ours, theirs = statistics.median(results[path]), statistics.median(results[f"{path} (compare)"])
             print(f"  {path}: this checkout / {args.compare} = {ours / theirs:.3f}")
 

@@ -213,5 +213,5 @@ def test_the_exchange_bench_drives_both_paths_on_the_shipped_doubles() -> None:
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.returncode == 0, out.stderr
-    for target in ("h11", "terminated", "forward"):
+    for target in ("h11", "terminated", "forward", "tunnel"):
         assert re.search(rf"^  {target} +[0-9.]+ .* vs h11 +[0-9.]+x$", out.stdout, re.M), out.stdout
