@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             egress.waitPort(port)
         for target in targets:
             waitServed(target.port, echoPort)
-            bulk(target.port, bulkPort, 64 << 20)  # warm up
+            bulk(target.port, bulkPort, min(size, 64 << 20))  # warm up: the origin sends size, then hangs up
             tunnelsPerSecond(target.port, echoPort, min(500, opts.tunnels), opts.concurrency)
         echoPid = procs["echo"].pid
         for r in range(opts.rounds):

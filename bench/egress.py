@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             if port is not None:
                 waitPort(port)
         for port in ports.values():
-            bulk(port, bulkPort, 64 << 20)  # warm up
+            bulk(port, bulkPort, min(size, 64 << 20))  # warm up: the origin sends size, then hangs up
             tunnelsPerSecond(port, echoPort, min(500, opts.tunnels), opts.concurrency)
         # Rounds interleave the contenders, so a burst of load from elsewhere on
         # the machine hits all of them; the median of each is reported.
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         # The forward path: only proxies that forward http:// (not the bare splice).
         forwarders = [n for n in ports if n in ("direct", "squid", "agentsandbox")]
         for name in forwarders:
-            forwardBulk(ports[name], httpPort, 16 << 20)  # warm up
+            forwardBulk(ports[name], httpPort, min(forwardSize, 16 << 20))  # warm up
         fsamples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in forwarders}
         for r in range(opts.rounds):
             for name in forwarders:
