@@ -67,9 +67,12 @@ class CountingAudit:
 class RestartNotice(Service):
     """Says which changed keys wait for a restart: what the composition builds once.
 
-    The audit log, the broker's spool, ops and scope and the proxy's listening
-    endpoint are made once, from the config in force at start; the keys the
-    children follow live (``docs/service.md`` has the table) are theirs to follow.
+    The audit log and the broker's spool, ops and scope are made once, from the
+    config in force at start; the keys the children follow live
+    (``docs/service.md`` has the table) are theirs to follow.  The proxy's
+    listening endpoint is made once too, but ``ProxyService`` says so itself:
+    it knows whether it was handed an endpoint of its own (then the config's
+    keys do not apply) and which endpoint it keeps.
     """
 
     def __init__(self, holder: ConfigHolder) -> None:
@@ -89,7 +92,6 @@ class RestartNotice(Service):
             for name, changed in (
                 ("[broker]", new.broker != old.broker),
                 ("[scope]", new.scope != old.scope),
-                ("proxy.port/proxy.listen", new.proxy.endpoint != old.proxy.endpoint),
                 ("[audit]", new.audit != old.audit),
             )
             if changed

@@ -492,8 +492,12 @@ class ReloadScopeTests(ServiceCase):
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
         await self.rewrite('listen = "tcp:0:interface=127.0.0.1"', 'listen = "tcp:0:interface=127.0.0.2"')
-        (warning,) = [e for e in events if e.get("log_namespace") == "agentsandbox.service" and "restarts" in e["log_format"]]
-        self.assertEqual(warning["what"], "proxy.port/proxy.listen")
+        restarts = [e for e in events if "restarts" in e.get("log_format", "")]
+        # Said once, by the proxy, which names the endpoint it keeps.
+        (warning,) = restarts
+        self.assertEqual(warning["log_namespace"], "agentsandbox.egress.proxy.ProxyService")
+        self.assertEqual(warning["old"], "tcp:0:interface=127.0.0.1")
+        self.assertEqual(warning["new"], "tcp:0:interface=127.0.0.2")
         # The proxy keeps its port until then.
         answer = await exchange(self.proxyPort, b"CONNECT example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertTrue(answer.startswith(b"HTTP/1.1 403"), answer)

@@ -766,7 +766,7 @@ class ProxyService(Service):
         if self.endpoint is None and old.proxy.endpoint != new.proxy.endpoint:
             self.log.warn(
                 "{source}: proxy.listen/proxy.port changed to {new}; the proxy keeps listening "
-                "on {old} until agentsandbox restarts",
+                "on {old} until agentsandbox restarts (systemctl --user restart agentsandbox)",
                 source=new.source,
                 new=new.proxy.endpoint,
                 old=old.proxy.endpoint,
