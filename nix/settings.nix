@@ -245,23 +245,9 @@ let
             host = raw;
             portText = null;
           };
-      # str.isdigit() and 0 < int(text) < 65536, leading zeros allowed.
-      portValue =
-        t:
-        let
-          m = builtins.match "0*([0-9]*)" t;
-          digits = if m == null then null else builtins.head m;
-        in
-        if m == null then
-          0
-        else if digits == "" then
-          0
-        else if builtins.stringLength digits > 5 then
-          65536
-        else
-          builtins.fromJSON digits;
-      portOk = t: t != "" && builtins.match "[0-9]+" t != null && portValue t > 0 && portValue t < 65536;
-      port = if split.portText == null || !(portOk split.portText) then null else portValue split.portText;
+      # rules._parsePort: plain digits with no sign and no leading zero, 1 to 65535.
+      portOk = t: builtins.match "[1-9][0-9]{0,4}" t != null && builtins.fromJSON t < 65536;
+      port = if split.portText == null || !(portOk split.portText) then null else builtins.fromJSON split.portText;
       host = lib.toLower (lib.removeSuffix "." split.host);
       octet = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
       loopbackName =

@@ -379,6 +379,8 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("the proxy itself", {"sandbox": {"domains": ["127.0.0.1:3190"]}}),
     ("port zero", {"sandbox": {"domains": ["registry.example.org:0"]}}),
     ("port too large", {"sandbox": {"domains": ["registry.example.org:70000"]}}),
+    ("a port with a leading zero", {"sandbox": {"domains": ["registry.example.org:0443"]}}),
+    ("a signed port", {"sandbox": {"domains": ["registry.example.org:+443"]}}),
     ("a relative path", {"sandbox": {"write": ["src"]}}),
     ("an inject rule without a token", {"inject": [{"hosts": ["registry.example.org"]}]}),
     ("a host command by a relative name", {"broker": {"run": {"up": {"argv": ["kind"]}}}}),
