@@ -138,12 +138,14 @@ def expandPath(raw: str, cwd: str, home: str) -> str:
 
 def _both(raw: str, cwd: str, home: str, search: bool = False) -> list[Reading]:
     """The lexical reading Claude Code resolves ``raw`` to, and the physical one."""
+    from agentsandbox.policy import physical
+
     text = jsTrim(raw)
     joined = _fsText(_joined(text, cwd, home) if text else cwd)
     # Node applies ".." to the string, the kernel after following links.
     return [
         Reading(_normal(joined), search=search),
-        Reading(os.path.realpath(joined), physical=True, search=search),
+        Reading(physical(joined), physical=True, search=search),
     ]
 
 
@@ -242,11 +244,13 @@ def _globReadings(pattern: str, base: str) -> list[Reading]:
     root, rest = globSplit(pattern)
     if not pattern.startswith("/"):
         root = base + "/" + root if root else base
+    from agentsandbox.policy import physical
+
     parts = rest.split("/")
     joined = _fsText(root)
     return [
         Reading(_climbed(_normal(joined), parts), search=True),
-        Reading(_climbed(os.path.realpath(joined), parts), physical=True, search=True),
+        Reading(_climbed(physical(joined), parts), physical=True, search=True),
     ]
 
 

@@ -109,11 +109,82 @@ def _absolute(path: str, cwd: str, home: str) -> str:
 
 def resolve(path: str, cwd: str, home: str) -> str:
     """Absolute, clean, and with symlinks resolved through the nearest existing parent."""
-    path = _absolute(path, cwd, home)
-    # Non-strict realpath follows every link it can read, dangling ones included, and
-    # keeps missing components as they are: a Write through a dangling link creates
-    # the link's target, so the target is what must be decided.
-    return os.path.realpath(path)
+    return physical(_absolute(path, cwd, home))
+
+
+def inProcessPath(path: str) -> bool:
+    """``path`` (absolute) is one of ``PROCESS_PATHS`` or inside one."""
+    return any(path == d or path.startswith(d + "/") for d in PROCESS_PATHS)
+
+
+def physical(path: str) -> str:
+    """The kernel's reading of the absolute ``path``, link by link; ``os.path.realpath`` else.
+
+    Each component is looked up where the ones before it led, a link's target is
+    read in its place and ``..`` climbs the directory reached so far, as the
+    kernel walks a path.  Like non-strict realpath it follows every link it can
+    read, dangling ones included, and keeps missing components as they are (a
+    Write through a dangling link creates the link's target, so the target is
+    what must be decided), and a link loop is left holding the looping link.
+
+    Unlike realpath it stops where the walk enters ``PROCESS_PATHS``, whether
+    the path names it or a link anywhere on the way leads there: what
+    ``/proc/self/cwd`` or ``/dev/fd/3`` mean depends on the process reading them,
+    and the hook is not the process that opens the file (a project link to
+    ``/proc/self/cwd`` is the hook's working directory here and Claude Code's
+    there).  The answer is then that process path with the rest of the walk
+    appended as written, never normalised, so ``..`` cannot climb out of it;
+    ``inProcessPath`` is true of it, and the policy refuses it.
+    """
+    real, state = _walk("/", path, {})
+    return real if state == _STOPPED else os.path.normpath(real)
+
+
+#: How ``_walk`` ended: every component read, a link loop met, a process path entered.
+_DONE, _LOOP, _STOPPED = 0, 1, 2
+
+
+def _walk(path: str, rest: str, seen: dict[str, str | None]) -> tuple[str, int]:
+    """``rest`` walked from the resolved directory ``path``: posixpath's realpath walk."""
+    import stat
+
+    if rest.startswith("/"):
+        rest = rest[1:]
+        path = "/"
+    while rest:
+        name, _, rest = rest.partition("/")
+        if not name or name == ".":
+            continue
+        if name == "..":
+            path = os.path.dirname(path)
+            continue
+        newpath = path + name if path == "/" else path + "/" + name
+        if inProcessPath(newpath):
+            return (newpath + "/" + rest if rest else newpath), _STOPPED
+        try:
+            isLink = stat.S_ISLNK(os.lstat(newpath).st_mode)
+        except OSError:
+            isLink = False
+        if not isLink:
+            path = newpath
+            continue
+        if newpath in seen:
+            known = seen[newpath]
+            if known is not None:
+                path = known
+                continue
+            return os.path.join(newpath, rest), _LOOP
+        seen[newpath] = None
+        try:
+            target = os.readlink(newpath)
+        except OSError:
+            path = newpath
+            continue
+        path, state = _walk(path, target, seen)
+        if state != _DONE:
+            return (os.path.join(path, rest) if rest else path), state
+        seen[newpath] = path
+    return path, _DONE
 
 
 #: Paths with more components than this are resolved by ``os.path.realpath``
@@ -122,12 +193,12 @@ _REMEMBERED_DEPTH = 64
 
 
 def realpathRemembering(path: str, memo: dict[str, str]) -> str:
-    """``os.path.realpath(path)`` of an absolute, normalised path, each parent resolved once.
+    """``physical(path)`` of an absolute, normalised path, each parent resolved once.
 
     The same answer as realpath (tests/test_policy compares them on generated
     trees of links, loops and dangling links included): a component that is no
     link is appended to its parent's resolution; one that is a link is handed,
-    with that resolution, to realpath itself.  A link loop leaves realpath's
+    with that resolution, to ``physical`` itself.  A link loop leaves realpath's
     answer holding the looping link, and every lstat below it then fails, so the
     rest is appended unresolved, as realpath appends it.  ``memo`` maps each
     resolved prefix to its resolution.
@@ -136,7 +207,7 @@ def realpathRemembering(path: str, memo: dict[str, str]) -> str:
     if found is not None:
         return found
     if path.count("/") > _REMEMBERED_DEPTH or not path.startswith("/") or path.startswith("//"):
-        found = memo[path] = os.path.realpath(path)
+        found = memo[path] = physical(path)
         return found
     # The nearest remembered parent, then each component below it in turn.
     todo: list[str] = []
@@ -150,11 +221,15 @@ def realpathRemembering(path: str, memo: dict[str, str]) -> str:
     for prefix in reversed(todo):
         name = prefix.rpartition("/")[2]
         candidate = real + name if real == "/" else real + "/" + name
+        if inProcessPath(candidate):
+            # Below a process path nothing is read: the rest stays as written.
+            real = memo[prefix] = candidate
+            continue
         try:
             link = stat.S_ISLNK(os.lstat(candidate).st_mode)
         except OSError:
             link = False
-        real = memo[prefix] = os.path.realpath(candidate) if link else candidate
+        real = memo[prefix] = physical(candidate) if link else candidate
     return real
 
 
@@ -387,7 +462,11 @@ class Policy:
         return realpathRemembering(_absolute(path, cwd, self.home), memo)
 
     def processPath(self, path: str, cwd: str) -> str | None:
-        """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved."""
+        """The entry of ``PROCESS_PATHS`` that ``path`` is in, as written or resolved.
+
+        Resolved means link by link (``physical``): a link anywhere on the way
+        into a process path puts ``path`` there too.
+        """
         plain = _absolute(path, cwd, self.home)
         for p in (plain, self._resolve(path, cwd)):
             for d in PROCESS_PATHS:

@@ -202,7 +202,9 @@ def test_check_decides_on_the_hooks_readings(user: User) -> None:
     repo = user.home / "projects/repo"
     (user.home / "private").mkdir()
     (repo / "link").symlink_to(user.home / "projects/other")
+    (repo / "l-cwd").symlink_to("/proc/self/cwd")
     spellings = [" ~/private/x", "\ufeff../../private/x\u3000", "link/../../private/x", "/proc/self/environ",
+                 "l-cwd/go.mod", "l-cwd/../../private/x",
                  "/dev/stdin", "go.mod", " go.mod", "link/../repo/go.mod", "/etc/hosts", "~/projects/x\t"]
     for kind, tool in (("read", "Read"), ("write", "Write")):
         for spelled in spellings:

@@ -111,6 +111,52 @@ def test_repro_3_a_lone_surrogate_never_crashes_the_command(home: User) -> None:
     assert "refused to read" in spec["permissionDecisionReason"], "decided on the path, not a crash"
 
 
+@pytest.fixture
+def startedInHome(home: User) -> User:
+    """Claude Code started in home (its own cwd), the session's Bash moved into the project.
+
+    ~/private/notes.txt is closed; the project holds links whose meaning depends
+    on the process that reads them.
+    """
+    project = home.home / "projects/repo"
+    (project / "private").mkdir()
+    (project / "private/notes.txt").write_text("harmless\n")
+    for name, target in (("l-cwd", "/proc/self/cwd"), ("l-thread", "/proc/thread-self/cwd"),
+                         ("l-proc", "/proc"), ("l-fd", "/dev/fd"), ("l-rel", "l-cwd")):
+        (project / name).symlink_to(target)
+    return home
+
+
+def test_repro_4_a_project_link_to_proc_self_cwd_is_refused(startedInHome: User) -> None:
+    """Issue 23, 4: the hook resolved the link in its own process (cwd = the project).
+
+    Claude Code opens P/l-cwd/private/notes.txt in its own process, whose cwd is
+    where it started (home): ~/private/notes.txt.  Run as the real command too,
+    in the project's directory, as Claude Code runs hooks.
+    """
+    user = startedInHome
+    project = user.h("projects/repo")
+    for link in ("l-cwd", "l-thread", "l-rel", "l-proc/self/cwd", "l-fd/3"):
+        read = decision(user, "Read", cwd=project, file_path=f"{project}/{link}/private/notes.txt")
+        assert read is not None and ("inside /proc" in read or "inside /dev/fd" in read), (link, read)
+        assert decision(user, "Glob", cwd=project, pattern=f"{project}/{link}/private/*") is not None, link
+        assert decision(user, "Grep", cwd=project, pattern="x", path=f"{project}/{link}/private") is not None, link
+        assert decision(user, "Write", cwd=project, file_path=f"{project}/{link}/private/new.txt",
+                        content="x") is not None, link
+        assert decision(user, "Read", cwd=project, file_path=f"{link}/private/notes.txt") is not None, link
+    event = {"tool_name": "Read", "cwd": project,
+             "tool_input": {"file_path": f"{project}/l-cwd/private/notes.txt"}}
+    p = subprocess.run([sys.executable, "-m", "agentsandbox", "hook", "pretooluse"], cwd=project,
+                       input=json.dumps(event).encode(), capture_output=True, timeout=60,
+                       env=dict(user.env, PYTHONPATH=PACKAGE_ROOT))
+    assert (p.returncode, p.stderr) == (0, b"")
+    reason = json.loads(p.stdout)["hookSpecificOutput"]["permissionDecisionReason"]
+    assert "a link to /proc/self/cwd/private/notes.txt" in reason and "inside /proc" in reason
+    # The project's own files stay open: only the process-relative link is refused.
+    assert decision(user, "Read", cwd=project, file_path=f"{project}/private/notes.txt") is None
+    assert decision(user, "Glob", cwd=project, pattern="private/*") is None
+
+
 # --------------------------------------------------------------------------- each tool's expansion
 
 

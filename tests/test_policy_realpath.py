@@ -1,4 +1,6 @@
-"""``policy.realpathRemembering`` is ``os.path.realpath``: on generated trees of links, one memo for many paths."""
+"""``policy.physical`` and ``policy.realpathRemembering`` are ``os.path.realpath``, on generated
+trees of links (one memo for many paths), except that both stop where a path enters ``/proc`` or
+``/dev/fd``, as written or through any link on the way."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentsandbox.policy import _REMEMBERED_DEPTH, Policy, realpathRemembering
+from agentsandbox.policy import (
+    _REMEMBERED_DEPTH,
+    Policy,
+    inProcessPath,
+    physical,
+    realpathRemembering,
+)
 from tests.conftest import User
 
 NAMES = ["a", "b", "c", "l1", "l2", "l3"]
@@ -61,6 +69,7 @@ def test_it_is_realpath_on_generated_trees(tmp_path_factory: pytest.TempPathFact
     for rel in paths:
         path = os.path.normpath(str(root / rel))
         assert realpathRemembering(path, memo) == os.path.realpath(path), (path, entries)
+        assert physical(path) == os.path.realpath(path), (path, entries)
 
 
 def test_loops_dangling_links_and_files_in_the_way(tmp_path: Path) -> None:
@@ -76,8 +85,47 @@ def test_loops_dangling_links_and_files_in_the_way(tmp_path: Path) -> None:
     for rel in ("self", "self/a/b", "ping/q", "pong", "dangling/z", "file/under", "up/up/x", "abs/y", "up/self/k"):
         path = str(root / rel)
         assert realpathRemembering(path, memo) == os.path.realpath(path), rel
-    for path in ("/", "/proc/self/root/etc", "/dev/fd/0"):
-        assert realpathRemembering(path, memo) == os.path.realpath(path), path
+        assert physical(path) == os.path.realpath(path), rel
+    assert realpathRemembering("/", memo) == physical("/") == "/"
+
+
+#: Links whose meaning depends on the process that reads them, and what the walk keeps of them.
+PROCESS_LINKS = {
+    "/proc/self/cwd": "/proc/self/cwd/private/notes.txt",
+    "/proc/thread-self/cwd": "/proc/thread-self/cwd/private/notes.txt",
+    "/proc/self/root/etc": "/proc/self/root/etc/private/notes.txt",
+    "/dev/fd/3": "/dev/fd/3/private/notes.txt",
+    "/dev/stdin": "/dev/stdin/private/notes.txt",
+    "/proc": "/proc/private/notes.txt",
+}
+
+
+@pytest.mark.parametrize("target", sorted(PROCESS_LINKS))
+def test_a_link_into_a_process_path_stops_the_walk(tmp_path: Path, target: str) -> None:
+    """A project link to /proc/self/cwd is the hook's cwd to realpath, the reader's to the kernel."""
+    root = tmp_path.resolve()
+    (root / "l").symlink_to(target)
+    (root / "rel").symlink_to("l")
+    (root / "viaDotDot").symlink_to("../" + root.name + "/l")
+    wanted = PROCESS_LINKS[target]
+    for link in ("l", "rel", "viaDotDot"):
+        path = f"{root}/{link}/private/notes.txt"
+        assert physical(path) == wanted, link
+        assert realpathRemembering(path, {}) == wanted, link
+        assert inProcessPath(physical(path))
+
+
+def test_nothing_climbs_out_of_a_process_path(tmp_path: Path) -> None:
+    """``..`` after /proc/self/cwd climbs the reader's cwd: the rest is kept as written."""
+    root = tmp_path.resolve()
+    (root / "l").symlink_to("/proc/self/cwd/../..")
+    (root / "m").symlink_to("/proc/self/cwd")
+    assert physical(f"{root}/l/etc") == "/proc/self/cwd/../../etc"
+    assert physical(f"{root}/m/../../etc") == "/proc/self/cwd/../../etc"
+    assert inProcessPath(physical(f"{root}/m/../../etc"))
+    for path in ("/proc/self/root/etc", "/dev/fd/0", "/proc/1/environ", "/dev/stdout"):
+        assert physical(path) == path
+        assert realpathRemembering(path, {}) == path
 
 
 def test_a_very_deep_path_is_left_to_realpath(tmp_path: Path) -> None:
