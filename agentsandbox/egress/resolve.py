@@ -1,18 +1,16 @@
-"""Resolving a name once, and deciding every address it resolves to.
+"""Resolving a name once, in the reactor's thread pool.
 
 The proxy resolves a granted name exactly once, classifies every A and AAAA
 answer (``rules.decideAddress``) and dials only the checked addresses, so a
 second lookup can never hand it a different, unchecked address (DNS
-rebinding).  ``describeResolved`` is the same decision, synchronously, for
-``agentsandbox check host --resolve``.
+rebinding).  The lookup itself and the synchronous whole decision live in
+``names`` (stdlib only: the hook decides WebFetch's URLs with them).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import socket
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorThreads
@@ -20,14 +18,15 @@ from twisted.internet.threads import deferToThreadPool
 from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import IResolver
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    HostDecision,
-    IPAddress,
-    decideAddress,
-    decideHost,
+from agentsandbox.egress.names import (
+    GetAddrInfo,
+    ResolveError,
+    addressesFromGetaddrinfo,
+    decideAddresses,
+    describeResolved,
+    hostsFileAddresses,
 )
+from agentsandbox.egress.rules import HostDecision, IPAddress, decideHost
 
 __all__ = [
     "HostDecision",
@@ -37,99 +36,8 @@ __all__ = [
     "decideAddresses",
     "decideHost",
     "describeResolved",
+    "hostsFileAddresses",
 ]
-
-
-class ResolveError(Exception):
-    """A name that resolved to nothing; the message names the host."""
-
-    def __init__(self, host: str, why: str) -> None:
-        super().__init__(f"{host} does not resolve ({why})")
-        self.host = host
-        self.why = why
-
-
-#: ``socket.getaddrinfo`` or a stand-in with its signature.
-GetAddrInfo = Callable[..., Any]
-
-
-#: The hosts database ``getaddrinfo`` reads before DNS (``hosts: files dns``).
-HOSTS_FILE = "/etc/hosts"
-
-
-def addressesFromGetaddrinfo(
-    host: str,
-    port: int,
-    getaddrinfo: GetAddrInfo = socket.getaddrinfo,
-    hostsFile: str = HOSTS_FILE,
-) -> list[IPAddress]:
-    """Every distinct address of exactly ``host`` (canonical) for a TCP connection, in order.
-
-    The name the allow list matched is the name resolved, in three readings
-    that never apply the resolver's search list (``search corp.internal`` would
-    turn an allowed ``a.example.com`` that has no record into
-    ``a.example.com.corp.internal``, a name no entry allowed):
-
-    1. a numeric spelling (``2130706433``, ``0x7f.1``, ``127.1``) is the address
-       the C library reads it as (``AI_NUMERICHOST``, no lookup);
-    2. a name in the hosts file gets that file's addresses, as ``getaddrinfo``
-       would give them before asking DNS;
-    3. anything else is asked as the absolute name ``host.``, which the
-       resolver never extends with a search domain.
-
-    Scope ids (``fe80::1%eth0``) are dropped: the address's class decides, and a
-    link-local address is refused whatever its scope.
-    """
-    try:
-        infos = getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
-    except (OSError, UnicodeError):
-        infos = None
-    if infos is None:
-        listed = hostsFileAddresses(host, hostsFile)
-        if listed:
-            return listed
-        absolute = host if host.endswith(".") else host + "."
-        try:
-            infos = getaddrinfo(absolute, port, 0, socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as e:
-            raise ResolveError(host, str(e) or type(e).__name__) from None
-    seen: list[IPAddress] = []
-    for family, _type, _proto, _canon, sockaddr in infos:
-        if family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        ip = _address(str(sockaddr[0]))
-        if ip is not None and ip not in seen:
-            seen.append(ip)
-    if not seen:
-        raise ResolveError(host, "no A or AAAA answer")
-    return seen
-
-
-def _address(text: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return None
-
-
-def hostsFileAddresses(host: str, hostsFile: str = HOSTS_FILE) -> list[IPAddress]:
-    """The addresses ``hostsFile`` lists for ``host`` (any of a line's names, any case)."""
-    want = host.lower().removesuffix(".")
-    try:
-        with open(hostsFile, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
-    except OSError:
-        return []
-    found: list[IPAddress] = []
-    for line in lines:
-        fields = line.partition("#")[0].split()
-        if len(fields) < 2:
-            continue
-        if want in (name.lower().removesuffix(".") for name in fields[1:]):
-            ip = _address(fields[0])
-            if ip is not None and ip not in found:
-                found.append(ip)
-    return found
 
 
 @implementer(IResolver)
@@ -149,40 +57,3 @@ class SystemResolver:
             port,
             self._getaddrinfo,
         )
-
-
-def decideAddresses(
-    allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-) -> list[AddressDecision]:
-    return [decideAddress(allow, name.host, name.port, ip, name.entry) for ip in addresses]
-
-
-def describeResolved(config: object, host: str, port: int) -> tuple[bool, list[str]]:
-    """The full decision for ``host:port`` as the proxy would take it, resolving synchronously.
-
-    ``config`` is an ``agentsandbox.config.Config``.  Returns whether the proxy
-    would dial at least one address, and one line per step: the name decision,
-    then one line per resolved address saying whether it would be dialled and
-    why.  Used by ``agentsandbox check host HOST[:PORT] --resolve``.
-    """
-    allow: AllowList = config.sandbox.allowList  # type: ignore[attr-defined]
-    name = decideHost(allow, host, port)
-    lines = [("allowed: " if name.allowed else "refused: ") + name.reason]
-    if not name.allowed:
-        return False, lines
-    literal = name.literal
-    if literal is not None:
-        addresses: list[IPAddress] = [literal]
-    else:
-        try:
-            addresses = addressesFromGetaddrinfo(name.host, port)
-        except ResolveError as e:
-            lines.append(f"refused: {e}")
-            return False, lines
-    ok = False
-    for d in decideAddresses(allow, name, addresses):
-        ok = ok or d.allowed
-        lines.append(("  dial    " if d.allowed else "  refuse  ") + f"{d.address}: {d.reason}")
-    if not ok:
-        lines.append(f"refused: no address of {name.host} may be dialled")
-    return ok, lines
