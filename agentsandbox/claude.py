@@ -23,8 +23,8 @@ from typing import Any
 from agentsandbox.files import atomicWrite
 from agentsandbox.paths import DROP_IN_NAME, managedDir
 from agentsandbox.policy import ENV_MARKER, Policy, under
+from agentsandbox.tools import removedTools
 
-FILE_TOOLS = ("Read", "Grep", "Glob", "Edit", "MultiEdit", "Write", "NotebookEdit")
 HOOK_TIMEOUT = 10
 #: The script the PreToolUse hook runs, in this installation's package directory
 #: (Debian: /usr/lib/python3/dist-packages; Nix: the store path's site-packages).
@@ -86,13 +86,17 @@ def render(policy: Policy) -> dict[str, Any]:
         "hooks": {
             "PreToolUse": [
                 {
-                    "matcher": "|".join(FILE_TOOLS),
+                    # Every tool, known or not: the hook decides each by tools.TOOLS.
+                    "matcher": "*",
                     "hooks": [_hook(exe, "pretooluse")],
                 }
             ],
             "SessionStart": [{"hooks": [_hook(exe, "sessionstart")]}],
         },
-        "permissions": {"deny": _settings(denyRules)},
+        "permissions": {
+            "allow": _webFetchRules(policy.domains),
+            "deny": _settings(denyRules) + removedTools(policy.allowTools),
+        },
         "sandbox": {
             "enabled": True,
             "failIfUnavailable": True,
@@ -117,6 +121,28 @@ def render(policy: Policy) -> dict[str, Any]:
             },
         },
     }
+
+
+def _webFetchRules(domains: Iterable[str]) -> list[str]:
+    """``WebFetch(domain:…)`` allow rules for the listed names, so WebFetch asks no question for them.
+
+    They only spare a prompt: the hook decides every WebFetch URL (host, port
+    and resolved addresses, as the proxy does), and refuses every host off the
+    list.  Address and CIDR entries get no rule (a rule matches names).
+    """
+    from agentsandbox.egress.rules import AllowList, EntryError
+
+    try:
+        entries = AllowList.parse(list(domains)).entries
+    except EntryError:
+        return []
+    names = set()
+    for entry in entries:
+        if entry.host is not None and not entry.isAddressEntry:
+            names.add(entry.host)
+        elif entry.suffix is not None:
+            names.add("*." + entry.suffix)
+    return sorted(f"WebFetch(domain:{n})" for n in names)
 
 
 def _settings(items: Iterable[str]) -> list[str]:

@@ -29,6 +29,7 @@ from agentsandbox.egress.rules import (
     unwrapMapped,
 )
 from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateConfig
+from agentsandbox.tools import reopenable
 
 BUILTIN = "<built-in defaults>"
 
@@ -262,6 +263,8 @@ class SandboxConfig:
     domains: tuple[str, ...] = DEFAULT_DOMAINS
     unset_env: tuple[str, ...] = DEFAULT_UNSET_ENV
     keep_env: tuple[str, ...] = ()
+    #: Tools the drop-in removes by default (``tools.removedTools``) that this config re-opens.
+    allow_tools: tuple[str, ...] = ()
 
     @property
     def allowList(self) -> AllowList:
@@ -492,9 +495,17 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
         for i, v in enumerate(values):
             if not _ENV_PATTERN.fullmatch(v):
                 raise t.error(f"{key}[{i}]", f"{v!r} is not a variable name or a */? pattern")
+    allowTools = t.strings("allow_tools", ())
+    for i, name in enumerate(allowTools):
+        if name not in reopenable():
+            raise t.error(
+                f"allow_tools[{i}]",
+                f"{name!r} is not a tool the drop-in removes; it may name only {', '.join(reopenable())}",
+            )
     t.finish()
     return SandboxConfig(
-        read=read, write=write, deny=deny, domains=domains, unset_env=unset, keep_env=keep
+        read=read, write=write, deny=deny, domains=domains, unset_env=unset, keep_env=keep,
+        allow_tools=allowTools,
     )
 
 

@@ -281,14 +281,15 @@ def globPaths(toolInput: Mapping[str, Any], cwd: str, home: str) -> list[Reading
     return readings
 
 
-TOOLS = {
-    "Read": (readPaths, "read"),
-    "Grep": (grepPaths, "read"),
-    "Glob": (globPaths, "read"),
-    "Edit": (editPaths, "write"),
-    "MultiEdit": (editPaths, "write"),
-    "Write": (editPaths, "write"),
-    "NotebookEdit": (notebookPaths, "write"),
+#: The path each file tool of ``tools.TOOLS`` (kinds READS and WRITES) acts on.
+FILE_PATHS = {
+    "Read": readPaths,
+    "Grep": grepPaths,
+    "Glob": globPaths,
+    "Edit": editPaths,
+    "MultiEdit": editPaths,
+    "Write": editPaths,
+    "NotebookEdit": notebookPaths,
 }
 
 
@@ -301,13 +302,20 @@ def _text(value: Any, field: str) -> str:
 
 
 def decide(event: Any, environ: Mapping[str, str]) -> str | None:
-    """The deny reason for one PreToolUse event, or None to let it pass."""
+    """The deny reason for one PreToolUse event, or None to let it pass.
+
+    Every tool is decided by its kind in ``tools.TOOLS``; a tool the table does
+    not know is judged on every path and URL its input carries (``_unknown``).
+    """
+    from agentsandbox import tools
+
     if not isinstance(event, dict):
         raise Refusal("agentsandbox refused this call: the hook's input is not a JSON object")
     tool = event.get("tool_name")
     if not isinstance(tool, str):
         raise Refusal("agentsandbox refused this call: the hook's input has no tool_name")
-    if tool not in TOOLS:
+    known = tools.TOOLS.get(tool)
+    if known is not None and known.kind in (tools.SANDBOXED, tools.HARMLESS):
         return None
     toolInput = event.get("tool_input")
     if not isinstance(toolInput, dict):
@@ -315,14 +323,322 @@ def decide(event: Any, environ: Mapping[str, str]) -> str | None:
     cwd = _text(event.get("cwd"), "cwd")
     if not cwd.startswith("/"):
         raise Refusal(f"agentsandbox refused this {tool} call: cwd {cwd!r} is not absolute")
-    paths, mode = TOOLS[tool]
     policy, source = _policy(environ)
+    if known is None or known.kind == tools.JUDGED:
+        return _unknown(policy, source, tool, toolInput, cwd)
+    kind = known.kind
+    if kind == tools.REMOVED:
+        if tool not in policy.allowTools:
+            return (
+                f"agentsandbox refused {tool}: the drop-in removes it because {known.why}. Add "
+                f"{_quoted(tool)} to {tools.REOPEN_KEY}{_inSource(source)} to re-open it (docs/hook.md "
+                f"says what that costs)."
+            )
+        return _unknown(policy, source, tool, toolInput, cwd)
+    if kind == tools.NETWORK:
+        return _fetch(policy, source, tool, known.fields, toolInput)
+    if kind == tools.CWD:
+        return _worktree(policy, source, tool, toolInput, cwd)
+    if kind == tools.SKILL:
+        return _skill(policy, source, tool, toolInput, cwd)
+    paths = FILE_PATHS[tool]
     try:
         readings = paths(toolInput, cwd, policy.home)
     except _Empty as e:
         raise Refusal(f"agentsandbox refused this {tool} call: {e} is empty") from None
     shown = _shown(tool, toolInput, cwd)
-    return decideReadings(policy, source, readings, shown, cwd, mode)
+    return decideReadings(policy, source, readings, shown, cwd, "read" if kind == tools.READS else "write")
+
+
+def _inSource(source: str) -> str:
+    return f" in {source}" if source.startswith("/") else ""
+
+
+# --------------------------------------------------------------------------- the other kinds
+
+#: How deep, and how many values, of an unknown tool's input are read before it is refused.
+_UNKNOWN_DEPTH = 16
+_UNKNOWN_VALUES = 4096
+#: Input keys whose value is a path even when it is written relative (``src/x.py``).
+_PATH_KEYS = ("path", "paths", "file", "files", "filename", "dir", "dirs", "directory", "cwd", "root", "folder")
+#: The port a URL of each scheme reaches when it names none.
+_DEFAULT_PORTS = {
+    "http": 80, "https": 443, "ws": 80, "wss": 443, "ftp": 21, "ftps": 990, "sftp": 22, "ssh": 22,
+    "git": 9418, "smtp": 25, "imap": 143, "ldap": 389, "postgres": 5432, "postgresql": 5432,
+    "mysql": 3306, "redis": 6379, "mongodb": 27017, "amqp": 5672,
+}
+
+
+def _strings(value: Any, key: str, depth: int, into: list[tuple[str, str]]) -> None:
+    """Every string of a JSON value, with the key it stands under (a list's items take its key)."""
+    if depth > _UNKNOWN_DEPTH or len(into) > _UNKNOWN_VALUES:
+        raise Refusal("its input is nested too deeply or holds too many values to check")
+    if isinstance(value, str):
+        into.append((key, value))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _strings(v, str(k), depth + 1, into)
+    elif isinstance(value, list):
+        for v in value:
+            _strings(v, key, depth + 1, into)
+
+
+def _urlScheme(text: str) -> str | None:
+    """The scheme of ``text`` when it reads as ``scheme://...``, lower case; else None."""
+    cut = text.find("://")
+    if cut <= 0:
+        return None
+    scheme = text[:cut]
+    if not scheme[0].isascii() or not scheme[0].isalpha():
+        return None
+    for c in scheme:
+        if not (c.isascii() and (c.isalnum() or c in "+-.")):
+            return None
+    return scheme.lower()
+
+
+def _pathLike(key: str, text: str) -> bool:
+    if not text or "\n" in text or len(text) > 4096:
+        return False
+    if text[0] == "/" or text == "~" or text.startswith(("~/", "./", "../")) or text in (".", ".."):
+        return True
+    lowered = key.lower()
+    return lowered.endswith(_PATH_KEYS)
+
+
+def _unknown(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
+    """A tool the table does not know: every path it names must be readable and writable, every URL allowed.
+
+    So such a tool (a newer release's, an MCP server's) works inside the
+    project and never reaches a closed path or an unlisted host.
+    """
+    found: list[tuple[str, str]] = []
+    try:
+        _strings(toolInput, "", 0, found)
+    except Refusal as r:
+        return f"agentsandbox refused {tool}, a tool it does not know: {r}."
+    for key, text in found:
+        scheme = _urlScheme(text)
+        if scheme is not None:
+            if scheme == "file":
+                text = text[len("file://") :]
+                if not text.startswith("/"):
+                    return (
+                        f"agentsandbox refused {tool}, a tool it does not know: {key} {_quoted(text)} "
+                        f"is a file URL with a host; only file:///path is read."
+                    )
+            else:
+                why = _urlRefusal(policy, source, text, scheme)
+                if why is not None:
+                    return f"agentsandbox refused {tool}, a tool it does not know, whose {key or 'input'} {why}"
+                continue
+        elif not _pathLike(key, text):
+            continue
+        if "\0" in text:
+            return f"agentsandbox refused {tool}: its {key or 'input'} contains a NUL byte."
+        readings = _both(text, cwd, policy.home)
+        for mode in ("read", "write"):
+            why = decideReadings(policy, source, readings, text, cwd, mode)
+            if why is not None:
+                return (
+                    f"{why} ({tool} is a tool agentsandbox does not know, so every path in its input "
+                    f"must be one sessions may both read and write; this one is its {key or 'input'}.)"
+                )
+    return None
+
+
+def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | None:
+    """Why ``url`` may not be reached, decided as the proxy decides a connection; None when it may."""
+    from urllib.parse import urlsplit
+
+    from agentsandbox.egress.names import decideResolved
+    from agentsandbox.egress.rules import AllowList, EntryError
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        port = parts.port
+    except ValueError as e:
+        return f"URL {_quoted(url)} cannot be read ({e})."
+    if not host:
+        return f"URL {_quoted(url)} names no host."
+    if port is None:
+        port = _DEFAULT_PORTS.get(scheme)
+        if port is None:
+            # Not a network address this machine would dial on its own (an MCP
+            # server's resource name, say): the server it is handed to is not held.
+            return None
+    try:
+        allow = AllowList.parse(policy.domains)
+    except EntryError as e:
+        return f"URL {_quoted(url)} cannot be decided: {e}."
+    ok, lines = decideResolved(allow, host, port)
+    if ok:
+        return None
+    return f"URL {_quoted(url)} is refused{_inSource(source)}: " + "; ".join(
+        line.strip() for line in lines if not line.lstrip().startswith(("allowed:", "dial"))
+    )
+
+
+#: The schemes each network tool's URL may have; ``http:`` is also decided as the ``https:``
+#: Claude Code upgrades it to.
+_NETWORK_SCHEMES = {"WebFetch": ("http", "https"), "Monitor": ("ws", "wss")}
+
+
+def _fetch(policy: Policy, source: str, tool: str, fields: tuple[str, ...],
+           toolInput: Mapping[str, Any]) -> str | None:
+    """WebFetch and Monitor's WebSocket run in Claude Code's own process, outside the sandbox and the proxy.
+
+    Each URL is decided as the proxy decides a connection: the host by
+    ``sandbox.domains``, every address it resolves to by the address rules.
+    """
+    schemes = _NETWORK_SCHEMES.get(tool, ("https",))
+    for field in fields:
+        value: Any = toolInput
+        for step in field.split("."):
+            value = value.get(step) if isinstance(value, dict) else None
+        if value is None and field != "url":
+            continue
+        url = _text(value, f"tool_input.{field}")
+        scheme = _urlScheme(url) or ""
+        if scheme not in schemes:
+            return (
+                f"agentsandbox refused {tool} of {_quoted(url)}: its {field} must be a "
+                f"{' or '.join(schemes)} URL."
+            )
+        upgraded = ("https" + url[len(scheme) :], "https") if scheme == "http" else (url, scheme)
+        for candidate, candidateScheme in dict.fromkeys(((url, scheme), upgraded)):
+            why = _urlRefusal(policy, source, candidate, candidateScheme)
+            if why is not None:
+                return f"agentsandbox refused {tool}: its {field} {why}"
+    return None
+
+
+def _gitTop(cwd: str) -> str | None:
+    """The nearest directory at or above ``cwd`` holding ``.git`` (a directory or a file)."""
+    here = cwd
+    while True:
+        if os.path.lexists(os.path.join(here, ".git")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def _worktree(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
+    """EnterWorktree moves the session's working directory, which the sandbox makes writable.
+
+    So it may go only where the session may already write (inside the project,
+    ``sandbox.write``, the temp dir), and never to a directory holding a closed
+    one: moving there must open nothing new.  With ``path`` it enters that
+    worktree; with a ``name`` (or neither) Claude Code makes one under the
+    repository's ``.claude/worktrees``.
+    """
+    given = toolInput.get("path")
+    if given is not None and given != "":
+        raw = _text(given, "tool_input.path")
+    else:
+        name = toolInput.get("name")
+        top = _gitTop(cwd) or cwd
+        raw = os.path.join(top, ".claude", "worktrees")
+        if isinstance(name, str) and name:
+            raw = os.path.join(raw, name)
+    readings = _both(raw, cwd, policy.home, search=True)
+    why = decideReadings(policy, source, readings, raw, cwd, "write")
+    if why is None:
+        return None
+    return (
+        f"{why} ({tool} makes it the session's working directory, which the sandbox lets commands "
+        f"write, so it may only be a directory the session may already write.)"
+    )
+
+
+#: How much of the tree below the cwd ``_skill`` walks for nested ``.claude`` directories.
+_SKILL_DEPTH = 8
+_SKILL_ENTRIES = 50000
+
+
+def _nestedClaudeDirs(cwd: str) -> list[str]:
+    """Every ``.claude`` directory below ``cwd`` (links not followed; .git and node_modules skipped).
+
+    Claude Code discovers a nested ``sub/.claude/skills`` once a file tool
+    touched ``sub/``, and any later session started in ``sub`` loads it.
+    """
+    found: list[str] = []
+    seen = 0
+    todo = [(cwd, 0)]
+    while todo:
+        here, depth = todo.pop()
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > _SKILL_ENTRIES:
+                raise Refusal(
+                    f"the tree below {cwd} has more than {_SKILL_ENTRIES} entries to search for "
+                    f"skills; start the session in a smaller directory"
+                )
+            if entry.name in (".git", "node_modules"):
+                continue
+            try:
+                isDir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if entry.name == ".claude":
+                found.append(entry.path)
+            elif isDir and depth < _SKILL_DEPTH:
+                todo.append((entry.path, depth + 1))
+    return found
+
+
+def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
+    """Skill loads ``SKILL.md`` (or a command's ``.md``) from the first directory that has it.
+
+    Every place the name can load from is decided, physically: the cwd's and
+    each parent's ``.claude``, every nested one below the cwd, the user's and
+    the plugins'.  A candidate that exists and leads (through any link) to a
+    closed file refuses the call; one that does not exist costs nothing.
+    """
+    name = _text(toolInput.get("skill"), "tool_input.skill").strip().lstrip("/")
+    if not name:
+        raise Refusal(f"agentsandbox refused this {tool} call: tool_input.skill is empty")
+    parts = name.replace(":", "/").split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\0" in name:
+        return f"agentsandbox refused {tool} {_quoted(name)}: a skill is named by plain words, not a path."
+    rel = "/".join(parts)
+    bases = [policy.harness]
+    here = cwd
+    while True:
+        bases.append(os.path.join(here, ".claude"))
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    try:
+        bases += _nestedClaudeDirs(cwd)
+    except Refusal as r:
+        return f"agentsandbox refused {tool} {_quoted(name)}: {r}."
+    plugins = os.path.join(policy.harness, "plugins")
+    candidates: list[str] = []
+    for base in dict.fromkeys(bases):
+        candidates += [
+            os.path.join(base, "skills", rel, "SKILL.md"),
+            os.path.join(base, "skills", parts[-1], "SKILL.md"),
+            os.path.join(base, "commands", rel + ".md"),
+        ]
+    if len(parts) > 1:
+        candidates.append(os.path.join(plugins, parts[0]))
+    for candidate in dict.fromkeys(candidates):
+        if not os.path.lexists(candidate):
+            continue
+        readings = _both(candidate, cwd, policy.home)
+        why = decideReadings(policy, source, readings, candidate, cwd, "read")
+        if why is not None:
+            return f"{why} ({tool} {_quoted(name)} would load it into the conversation.)"
+    return None
 
 
 def _shown(tool: str, toolInput: Mapping[str, Any], cwd: str) -> str:

@@ -312,6 +312,7 @@ _FIELDS = (
     "egress",
     "exe",
     "configFile",
+    "allowTools",
 )
 
 
@@ -337,6 +338,8 @@ class Policy:
     egress: str | None
     exe: str
     configFile: str | None
+    #: Tools the drop-in removes by default that the config re-opens (``sandbox.allow_tools``).
+    allowTools: tuple[str, ...]
     environ: Mapping[str, str]
     #: Each absolute path and parent resolved so far, in a ``remembering`` copy; else None.
     _resolved: dict[str, str] | None
@@ -357,6 +360,7 @@ class Policy:
         egress: str | None,
         exe: str,
         configFile: str | None,
+        allowTools: tuple[str, ...] = (),
         environ: Mapping[str, str] | None = None,
     ) -> None:
         values = locals()
@@ -434,6 +438,7 @@ class Policy:
             egress=egress,
             exe=exe,
             configFile=configFile,
+            allowTools=config.sandbox.allow_tools,
             environ=env,
         )
 

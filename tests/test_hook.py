@@ -82,7 +82,6 @@ TABLE: list[tuple[str, dict[str, Any], str | None]] = [
     ("NotebookEdit", {"notebook_path": "~/nb.ipynb", "new_source": "x"}, "write"),
     ("NotebookEdit", {"notebook_path": "nb.ipynb", "new_source": "x"}, None),
     ("Bash", {"command": "cat ~/.ssh/id_ed25519"}, None),
-    ("WebFetch", {"url": "https://example.org"}, None),
 ]
 
 

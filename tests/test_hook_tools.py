@@ -1,0 +1,232 @@
+"""Every tool Claude Code offers, held (issue 23): the table, the hook's decision per kind, the drop-in.
+
+Each reproduction decides through ``hook.pretooluse`` only, so it runs unchanged
+against a hook that knew six file tools (which it fails).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentsandbox import claude, hook, tools
+from agentsandbox.config import ConfigError
+from tests.conftest import User
+
+
+@pytest.fixture
+def home(user: User) -> User:
+    """~/projects readable, ~/projects/repo a git checkout, ~/Documents closed and holding a marker."""
+    user.writeConfig('[sandbox]\nread = ["~/projects/other"]\nwrite = ["~/projects/repo"]\n'
+                     'domains = ["github.com", "*.example.com", "127.0.0.1:8443"]\n')
+    (user.home / "Documents").mkdir()
+    (user.home / "Documents/notes.txt").write_text("private notes MARKER\n")
+    (user.home / "projects/repo/.git").mkdir()
+    return user
+
+
+def decision(user: User, tool: str, cwd: str | None = None, **toolInput: Any) -> str | None:
+    event = {"hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": toolInput,
+             "cwd": cwd or user.h("projects/repo")}
+    out = hook.pretooluse(io.BytesIO(json.dumps(event).encode()), user.env)
+    if not out:
+        return None
+    spec = json.loads(out)["hookSpecificOutput"]
+    assert spec["permissionDecision"] == "deny"
+    text: str = spec["permissionDecisionReason"]
+    return text
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_every_file_tool_of_the_table_has_its_paths() -> None:
+    files = {n for n, t in tools.TOOLS.items() if t.kind in (tools.READS, tools.WRITES)}
+    assert files == set(hook.FILE_PATHS)
+
+
+def test_every_tool_has_a_known_kind_and_a_reason_where_it_is_not_plain() -> None:
+    kinds = {tools.READS, tools.WRITES, tools.CWD, tools.SANDBOXED, tools.NETWORK, tools.SKILL,
+             tools.HARMLESS, tools.REMOVED, tools.JUDGED}
+    for name, tool in tools.TOOLS.items():
+        assert tool.kind in kinds, name
+        assert tool.name == name
+        if tool.kind not in (tools.HARMLESS, tools.SANDBOXED, tools.JUDGED):
+            assert tool.fields and tool.why, name
+
+
+def test_docs_list_every_tool() -> None:
+    text = (Path(__file__).parent.parent / "docs/hook.md").read_text()
+    missing = [n for n in tools.TOOLS if f"`{n}`" not in text]
+    assert not missing, f"docs/hook.md does not list {missing}"
+
+
+# --------------------------------------------------------------------------- 1. Workflow
+
+
+def test_repro_1_workflow_is_removed(home: User) -> None:
+    text = decision(home, "Workflow", scriptPath=home.h("Documents/notes.txt"))
+    assert text is not None
+    assert "sandbox.allow_tools" in text and "before any hook runs" in text
+    assert decision(home, "Workflow", scriptPath="wf.js") is not None
+
+
+def test_the_drop_in_removes_workflow_unless_the_config_reopens_it(home: User) -> None:
+    rendered = claude.render(home.policy(home.configFile.read_text()))
+    assert "Workflow" in rendered["permissions"]["deny"]
+    reopened = home.configFile.read_text().replace("[sandbox]\n", '[sandbox]\nallow_tools = ["Workflow"]\n')
+    assert "Workflow" not in claude.render(home.policy(reopened))["permissions"]["deny"]
+    home.writeConfig(reopened)
+    # Re-opened, its scriptPath is still judged where the hook is asked.
+    text = decision(home, "Workflow", scriptPath=home.h("Documents/notes.txt"))
+    assert text is not None and "Documents/notes.txt" in text
+    assert decision(home, "Workflow", scriptPath="wf.js") is None
+
+
+@pytest.mark.parametrize("bad", ['["Read"]', '["workflow"]', '"Workflow"', "[1]"])
+def test_allow_tools_names_only_removed_tools(user: User, bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"sandbox\.allow_tools"):
+        user.config(f"[sandbox]\nallow_tools = {bad}\n")
+
+
+# --------------------------------------------------------------------------- 2. EnterWorktree
+
+
+def test_repro_2_enter_worktree_into_a_closed_directory_is_refused(home: User) -> None:
+    text = decision(home, "EnterWorktree", path=home.h("Documents"))
+    assert text is not None
+    assert home.h("Documents") in text and "working directory" in text and "sandbox.write" in text
+    assert decision(home, "EnterWorktree", path="~/Documents") is not None
+    assert decision(home, "EnterWorktree", path="../../Documents") is not None
+    # A directory holding a closed one opens it to the sandbox's writes: refused too.
+    assert decision(home, "EnterWorktree", path=home.h("")) is not None
+    assert decision(home, "EnterWorktree", path="/") is not None
+
+
+def test_enter_worktree_inside_the_project_works(home: User) -> None:
+    assert decision(home, "EnterWorktree", name="feature") is None
+    assert decision(home, "EnterWorktree") is None
+    assert decision(home, "EnterWorktree", path=home.h("projects/repo/.claude/worktrees/x")) is None
+    # Readable is not enough: the sandbox would make it writable.
+    assert decision(home, "EnterWorktree", path=home.h("projects/other")) is not None
+
+
+def test_a_worktree_link_into_a_closed_directory_is_refused(home: User) -> None:
+    (home.home / "projects/repo/docs").symlink_to(home.home / "Documents")
+    text = decision(home, "EnterWorktree", path=home.h("projects/repo/docs"))
+    assert text is not None and home.h("Documents") in text
+
+
+# --------------------------------------------------------------------------- 3. Skill
+
+
+def test_repro_3_a_skill_linked_to_a_closed_file_is_refused(home: User) -> None:
+    skill = home.home / "projects/repo/.claude/skills/notes"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").symlink_to(home.home / "Documents/notes.txt")
+    text = decision(home, "Skill", skill="notes")
+    assert text is not None and home.h("Documents/notes.txt") in text and "Skill" in text
+
+
+def test_a_nested_skill_link_is_refused(home: User) -> None:
+    """Planted by Bash in sub/.claude/skills (only the cwd's own .claude is protected)."""
+    nested = home.home / "projects/repo/sub/deeper/.claude/skills/plan"
+    nested.mkdir(parents=True)
+    (nested / "SKILL.md").symlink_to(home.home / "Documents/notes.txt")
+    assert decision(home, "Skill", skill="plan") is not None
+    # A linked skill directory, and a command file.
+    linked = home.home / "projects/repo/sub/.claude/skills"
+    linked.mkdir(parents=True)
+    (linked / "docs").symlink_to(home.home / "Documents")
+    (home.home / "Documents/SKILL.md").write_text("---\nname: docs\n---\nMARKER\n")
+    assert decision(home, "Skill", skill="docs") is not None
+    commands = home.home / "projects/repo/a/.claude/commands"
+    commands.mkdir(parents=True)
+    (commands / "leak.md").symlink_to(home.home / "Documents/notes.txt")
+    assert decision(home, "Skill", skill="leak") is not None
+    assert decision(home, "Skill", skill="/leak") is not None
+
+
+def test_skills_under_the_project_and_the_user_still_load(home: User) -> None:
+    skill = home.home / "projects/repo/.claude/skills/build"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").write_text("---\nname: build\ndescription: build it\n---\nmake\n")
+    mine = home.home / ".claude/skills/review"
+    mine.mkdir(parents=True)
+    (mine / "SKILL.md").write_text("---\nname: review\n---\nlook\n")
+    assert decision(home, "Skill", skill="build") is None
+    assert decision(home, "Skill", skill="review") is None
+    assert decision(home, "Skill", skill="nothing-by-that-name") is None
+    assert decision(home, "Skill", skill="plugin:thing") is None
+
+
+@pytest.mark.parametrize("name", ["../../Documents", "a/../b", "", " "])
+def test_a_skill_name_that_is_a_path_is_refused(home: User, name: str) -> None:
+    assert decision(home, "Skill", skill=name) is not None
+
+
+# --------------------------------------------------------------------------- 5. WebFetch
+
+
+def test_repro_5_webfetch_is_held_to_the_allow_list(home: User) -> None:
+    text = decision(home, "WebFetch", url="https://unlisted.example.org/?q=MARKER", prompt="p")
+    assert text is not None
+    assert "unlisted.example.org:443 is not on the sandbox's allow list" in text and "sandbox.domains" in text
+    assert decision(home, "WebFetch", url="http://unlisted.example.org/", prompt="p") is not None
+    assert decision(home, "WebFetch", url="ftp://github.com/", prompt="p") is not None
+    assert decision(home, "WebFetch", url="https://169.254.169.254/latest/", prompt="p") is not None
+    # A listed name is decided by its resolved addresses too: offline here, it does not resolve.
+    offline = decision(home, "WebFetch", url="https://github.com/", prompt="p")
+    assert offline is None or "does not resolve" in offline
+    # An explicit IP:port entry is reached on that port only.
+    assert decision(home, "WebFetch", url="https://127.0.0.1:8443/x", prompt="p") is None
+    assert decision(home, "WebFetch", url="https://127.0.0.1:8444/x", prompt="p") is not None
+
+
+def test_the_drop_in_allows_webfetch_for_the_listed_names(home: User) -> None:
+    rendered = claude.render(home.policy(home.configFile.read_text()))
+    assert rendered["permissions"]["allow"] == ["WebFetch(domain:*.example.com)", "WebFetch(domain:github.com)"]
+    assert rendered["hooks"]["PreToolUse"][0]["matcher"] == "*"
+
+
+def test_websearch_and_the_harmless_tools_pass_without_a_policy(home: User) -> None:
+    home.writeConfig("[sandbox\n")  # unloadable: file tools are refused, these are not asked about
+    for name, tool in tools.TOOLS.items():
+        if tool.kind in (tools.HARMLESS, tools.SANDBOXED):
+            assert decision(home, name) is None, name
+    assert decision(home, "Read", file_path="go.mod") is not None
+
+
+# --------------------------------------------------------------------------- unknown tools
+
+
+@pytest.mark.parametrize("toolInput", [
+    {"path": "~/Documents/notes.txt"},
+    {"path": "../../Documents"},
+    {"file": "/proc/self/environ"},
+    {"target": "{home}/Documents/notes.txt"},
+    {"options": {"sources": ["src/a.py", "{home}/.ssh/id_ed25519"]}},
+    {"uri": "file://{home}/Documents/notes.txt"},
+    {"url": "https://unlisted.example.org/upload"},
+    {"endpoint": "wss://unlisted.example.org:9000/"},
+    {"dsn": "postgres://unlisted.example.org/db"},
+    {"path": "/etc/hosts"},
+    {"deep": [[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]},
+])
+def test_an_unknown_tool_is_judged_on_every_path_and_url(home: User, toolInput: dict[str, Any]) -> None:
+    given = json.loads(json.dumps(toolInput).replace("{home}", str(home.home)))
+    for tool in ("mcp__files__read", "SomeNewTool"):
+        text = decision(home, tool, **given)
+        assert text is not None, (tool, given)
+        assert tool in text
+
+
+def test_an_unknown_tool_works_inside_the_project(home: User) -> None:
+    assert decision(home, "mcp__files__read", path="src/a.py", query="hello world") is None
+    assert decision(home, "mcp__files__write", file_path=home.h("projects/repo/x"), content="/* c */\nx") is None
+    assert decision(home, "SomeNewTool", url="https://127.0.0.1:8443/", notes="see ~ later") is None
+    assert decision(home, "SomeNewTool") is None
