@@ -62,6 +62,10 @@ let
       '';
       unset_env = opt (types.listOf envPattern) "Variables (or `*`/`?` patterns) the SessionStart hook unsets in sandboxed Bash. Unset: the built-in list.";
       keep_env = opt (types.listOf envPattern) "Variables kept although `unset_env` matches them.";
+      allow_tools = opt (types.listOf (types.enum [ "DesignSync" "PowerShell" "Workflow" ])) ''
+        Claude Code tools the drop-in removes by default (`permissions.deny`) that this machine
+        re-opens. Workflow reads its `scriptPath` before any hook runs: see docs/hook.md.
+      '';
     };
     proxy = {
       port = mkOption {

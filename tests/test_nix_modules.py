@@ -540,3 +540,19 @@ def _noStrayEnvironment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("AGENTSANDBOX_CONFIG", "AGENTSANDBOX_EXE", "CLAUDE_CONFIG_DIR", "XDG_CONFIG_HOME"):
         monkeypatch.delenv(name, raising=False)
     yield
+
+
+def test_allow_tools_enum_is_the_tables() -> None:
+    """The module's `allow_tools` type names exactly the tools the drop-in removes."""
+    from agentsandbox.tools import reopenable
+
+    text = (REPO / "nix" / "settings.nix").read_text()
+    found = re.search(r"allow_tools = opt \(types\.listOf \(types\.enum \[([^\]]*)\]\)\)", text)
+    assert found is not None, "nix/settings.nix declares no allow_tools enum"
+    assert re.findall(r'"([^"]+)"', found.group(1)) == reopenable()
+    evaluated = nixos({"settings": {"sandbox": {"allow_tools": ["Workflow"]}}})
+    value = evaluated["etc"]["agentsandbox/config.toml"]["source"]["value"]
+    assert value["sandbox"]["allow_tools"] == ["Workflow"]
+    assert loaderError(value) is None and evaluated["warnings"] == []
+    error = evaluationError("eval-nixos.nix", {"enable": True, "settings": {"sandbox": {"allow_tools": ["Read"]}}})
+    assert "allow_tools" in error, error
