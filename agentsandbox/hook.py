@@ -577,10 +577,7 @@ def _nestedClaudeDirs(cwd: str) -> list[str]:
         for entry in entries:
             seen += 1
             if seen > _SKILL_ENTRIES:
-                raise Refusal(
-                    f"the tree below {cwd} has more than {_SKILL_ENTRIES} entries to search for "
-                    f"skills; start the session in a smaller directory"
-                )
+                raise Refusal(f"the tree below {cwd} has more than {_SKILL_ENTRIES} entries to search")
             if entry.name in (".git", "node_modules"):
                 continue
             try:
@@ -594,21 +591,59 @@ def _nestedClaudeDirs(cwd: str) -> list[str]:
     return found
 
 
-def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
-    """Skill loads ``SKILL.md`` (or a command's ``.md``) from the first directory that has it.
+#: What a ``.claude`` directory holds that Claude Code loads into the conversation by name:
+#: skills (``skills/NAME/SKILL.md``), commands (``commands/**/NAME.md``), subagents
+#: (``agents/*.md``, named by their front matter).
+_DEFINITIONS = ("skills", "commands", "agents")
 
-    Every place the name can load from is decided, physically: the cwd's and
-    each parent's ``.claude``, every nested one below the cwd, the user's and
-    the plugins'.  A candidate that exists and leads (through any link) to a
-    closed file refuses the call; one that does not exist costs nothing.
+
+def _definitionFiles(base: str, budget: list[int]) -> list[str]:
+    """Every file below ``base``'s skills, commands and agents, links included (not followed)."""
+    found: list[str] = []
+    for kind in _DEFINITIONS:
+        todo = [(os.path.join(base, kind), 0)]
+        while todo:
+            here, depth = todo.pop()
+            try:
+                entries = list(os.scandir(here))
+            except OSError:
+                continue
+            for entry in entries:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise Refusal(f"there are more than {_SKILL_ENTRIES} entries to check")
+                try:
+                    isDir = entry.is_dir(follow_symlinks=False)
+                except OSError:
+                    isDir = False
+                if isDir and depth < _SKILL_DEPTH:
+                    todo.append((entry.path, depth + 1))
+                elif not isDir:
+                    found.append(entry.path)
+    return found
+
+
+def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
+    """Skill (and Agent with a subagent type) load a definition file into the conversation.
+
+    The file a name loads is found by Claude Code's own search (a skill's
+    directory, a command's path, an agent's front matter), so the hook does
+    not guess which one it is: every skill, command and agent file of every
+    ``.claude`` the session can load from (the user's, the cwd's and each
+    parent's, every nested one below the cwd) is decided, physically, and one
+    that leads through any link to a closed file refuses the call, naming the
+    link to remove.  A built-in name that loads no file still meets that check.
     """
-    name = _text(toolInput.get("skill"), "tool_input.skill").strip().lstrip("/")
+    field = "subagent_type" if tool == "Agent" else "skill"
+    given = toolInput.get(field)
+    if tool == "Agent" and (given is None or given == ""):
+        return None
+    name = _text(given, f"tool_input.{field}").strip().lstrip("/")
     if not name:
-        raise Refusal(f"agentsandbox refused this {tool} call: tool_input.skill is empty")
+        raise Refusal(f"agentsandbox refused this {tool} call: tool_input.{field} is empty")
     parts = name.replace(":", "/").split("/")
     if any(p in ("", ".", "..") for p in parts) or "\0" in name:
-        return f"agentsandbox refused {tool} {_quoted(name)}: a skill is named by plain words, not a path."
-    rel = "/".join(parts)
+        return f"agentsandbox refused {tool} {_quoted(name)}: it is named by plain words, not a path."
     bases = [policy.harness]
     here = cwd
     while True:
@@ -617,27 +652,20 @@ def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any],
         if parent == here:
             break
         here = parent
+    budget = [_SKILL_ENTRIES]
     try:
         bases += _nestedClaudeDirs(cwd)
+        files = [f for base in dict.fromkeys(bases) for f in _definitionFiles(base, budget)]
     except Refusal as r:
-        return f"agentsandbox refused {tool} {_quoted(name)}: {r}."
-    plugins = os.path.join(policy.harness, "plugins")
-    candidates: list[str] = []
-    for base in dict.fromkeys(bases):
-        candidates += [
-            os.path.join(base, "skills", rel, "SKILL.md"),
-            os.path.join(base, "skills", parts[-1], "SKILL.md"),
-            os.path.join(base, "commands", rel + ".md"),
-        ]
-    if len(parts) > 1:
-        candidates.append(os.path.join(plugins, parts[0]))
-    for candidate in dict.fromkeys(candidates):
-        if not os.path.lexists(candidate):
-            continue
+        return f"agentsandbox refused {tool} {_quoted(name)}: {r}; start the session in a smaller directory."
+    for candidate in files:
         readings = _both(candidate, cwd, policy.home)
         why = decideReadings(policy, source, readings, candidate, cwd, "read")
         if why is not None:
-            return f"{why} ({tool} {_quoted(name)} would load it into the conversation.)"
+            return (
+                f"{why} ({tool} {_quoted(name)} may load it into the conversation: Claude Code finds "
+                f"skills, commands and agents by name in every .claude directory; remove the link.)"
+            )
     return None
 
 

@@ -19,7 +19,7 @@ WRITES = "writes files"
 CWD = "changes the session's working directory"
 SANDBOXED = "runs commands in the sandbox"
 NETWORK = "reaches the network from Claude Code's own process"
-SKILL = "loads a skill's files into the conversation"
+SKILL = "loads a skill's, command's or agent's file into the conversation"
 HARMLESS = "touches no file or host of its own"
 REMOVED = "removed by the drop-in's permissions.deny"
 #: Judged as a tool the table does not know is: every path and URL in its input.
@@ -70,7 +70,12 @@ _TABLE = (
         "its command runs in the sandbox as Bash's does; its ws.url is opened by Claude Code's own "
         "process, so the hook decides it as WebFetch's URL",
     ),
-    Tool("Skill", SKILL, ("skill",), "the hook: every SKILL.md or command file the name can load, read physically"),
+    Tool(
+        "Skill",
+        SKILL,
+        ("skill",),
+        "the hook: every skill, command and agent file of every .claude the session loads from, read physically",
+    ),
     # Removed by the drop-in's permissions.deny: the hook cannot hold them.
     Tool(
         "Workflow",
@@ -100,7 +105,13 @@ _TABLE = (
         "no URL is fetched from this machine (allowed_domains and blocked_domains only filter results)",
     ),
     # Subagents, schedules and tasks: whatever they do later is a tool call of its own.
-    Tool("Agent", HARMLESS, (), _SUBAGENT),
+    Tool(
+        "Agent",
+        SKILL,
+        ("subagent_type",),
+        "the hook, as Skill: a subagent type loads its definition file; what the subagent does "
+        "then meets the same hook and sandbox",
+    ),
     Tool("Task", HARMLESS, (), _SUBAGENT + " (Agent's older name)"),
     Tool("SendMessage", HARMLESS, (), "messages another session of this user, held by the same policy"),
     Tool("ListAgents", HARMLESS, (), "lists this user's other sessions"),

@@ -164,6 +164,29 @@ def test_skills_under_the_project_and_the_user_still_load(home: User) -> None:
     assert decision(home, "Skill", skill="plugin:thing") is None
 
 
+def test_an_agent_definition_linked_to_a_closed_file_is_refused(home: User) -> None:
+    """A subagent type loads its definition (found by front matter, not by file name)."""
+    assert decision(home, "Agent", prompt="p", description="d") is None
+    assert decision(home, "Agent", prompt="p", description="d", subagent_type="general-purpose") is None
+    agents = home.home / "projects/repo/sub/.claude/agents"
+    agents.mkdir(parents=True)
+    (agents / "innocent-name.md").symlink_to(home.home / "Documents/notes.txt")
+    for tool, field, name in (("Agent", "subagent_type", "reviewer"), ("Skill", "skill", "anything")):
+        text = decision(home, tool, prompt="p", description="d", **{field: name})
+        assert text is not None and str(agents / "innocent-name.md") in text and "remove the link" in text, tool
+    (agents / "innocent-name.md").unlink()
+    assert decision(home, "Agent", prompt="p", description="d", subagent_type="reviewer") is None
+
+
+def test_a_linked_claude_directory_is_refused(home: User) -> None:
+    (home.home / "Documents/skills/x").mkdir(parents=True)
+    (home.home / "Documents/skills/x/SKILL.md").write_text("---\nname: x\n---\nMARKER\n")
+    nested = home.home / "projects/repo/sub/.claude"
+    nested.mkdir(parents=True)
+    (nested / "skills").symlink_to(home.home / "Documents/skills")
+    assert decision(home, "Skill", skill="x") is not None
+
+
 @pytest.mark.parametrize("name", ["../../Documents", "a/../b", "", " "])
 def test_a_skill_name_that_is_a_path_is_refused(home: User, name: str) -> None:
     assert decision(home, "Skill", skill=name) is not None
