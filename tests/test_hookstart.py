@@ -89,6 +89,7 @@ def test_the_warm_path_imports_only_the_hooks_room(configured: User) -> None:
     assert not any(m.split(".")[0] == "twisted" for m in imported)
     assert {m for m in imported if m.startswith("agentsandbox")} == {
         "agentsandbox", "agentsandbox.hook", "agentsandbox.hookjson", "agentsandbox.policy", "agentsandbox.paths",
+        "agentsandbox.tools",
     }
 
 
