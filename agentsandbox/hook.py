@@ -644,6 +644,25 @@ def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any],
     parts = name.replace(":", "/").split("/")
     if any(p in ("", ".", "..") for p in parts) or "\0" in name:
         return f"agentsandbox refused {tool} {_quoted(name)}: it is named by plain words, not a path."
+    try:
+        closed = closedDefinition(policy, source, cwd)
+    except Refusal as r:
+        return f"agentsandbox refused {tool} {_quoted(name)}: {r}; start the session in a smaller directory."
+    if closed is None:
+        return None
+    return (
+        f"{closed} ({tool} {_quoted(name)} may load it into the conversation: Claude Code finds "
+        f"skills, commands and agents by name in every .claude directory; remove the link.)"
+    )
+
+
+def closedDefinition(policy: Policy, source: str, cwd: str) -> str | None:
+    """Why the first skill, command or agent file Claude Code may load from ``cwd`` is closed, if one is.
+
+    Every such file of every ``.claude`` the session loads from (the user's,
+    the cwd's and each parent's, every nested one below the cwd) is read
+    physically.  Raises ``Refusal`` when there are too many entries to check.
+    """
     bases = [policy.harness]
     here = cwd
     while True:
@@ -653,19 +672,12 @@ def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any],
             break
         here = parent
     budget = [_SKILL_ENTRIES]
-    try:
-        bases += _nestedClaudeDirs(cwd)
-        files = [f for base in dict.fromkeys(bases) for f in _definitionFiles(base, budget)]
-    except Refusal as r:
-        return f"agentsandbox refused {tool} {_quoted(name)}: {r}; start the session in a smaller directory."
-    for candidate in files:
-        readings = _both(candidate, cwd, policy.home)
-        why = decideReadings(policy, source, readings, candidate, cwd, "read")
-        if why is not None:
-            return (
-                f"{why} ({tool} {_quoted(name)} may load it into the conversation: Claude Code finds "
-                f"skills, commands and agents by name in every .claude directory; remove the link.)"
-            )
+    bases += _nestedClaudeDirs(cwd)
+    for base in dict.fromkeys(bases):
+        for candidate in _definitionFiles(base, budget):
+            why = decideReadings(policy, source, _both(candidate, cwd, policy.home), candidate, cwd, "read")
+            if why is not None:
+                return why
     return None
 
 
@@ -891,8 +903,8 @@ def credentialNames(
     )
 
 
-def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
-    """(lines for $CLAUDE_ENV_FILE, messages for the user)."""
+def sessionLines(environ: Mapping[str, str], cwd: str | None = None) -> tuple[list[str], list[str]]:
+    """(lines for $CLAUDE_ENV_FILE, messages for the user); ``cwd`` is the session's, when known."""
     from agentsandbox.config import DEFAULT_UNSET_ENV, ConfigError, load
     from agentsandbox.policy import Policy
 
@@ -925,7 +937,30 @@ def sessionLines(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
         messages.append(
             f"agentsandbox: {why}. Run `agentsandbox install` (it prints the root commands if needed)."
         )
+    if cwd is not None and cwd.startswith("/"):
+        messages += _definitionWarnings(policy, config.source, cwd)
     return lines, messages
+
+
+def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
+    """A warning for a skill, command or agent file that leads to a closed file.
+
+    Claude Code reads every SKILL.md when a session starts and sends the first
+    line of one without front matter to the model as its description, before
+    any tool call: no hook can refuse that (docs/hook.md).  The person is told
+    which link to remove; the Skill and Agent calls that would load it are
+    refused.
+    """
+    try:
+        closed = closedDefinition(policy.remembering(), source, cwd)
+    except Refusal:
+        return []
+    if closed is None:
+        return []
+    return [
+        "agentsandbox: WARNING: a skill, command or agent file of this session leads to a closed "
+        f"file, and Claude Code sends a line of it to the model when it lists skills: {closed}"
+    ]
 
 
 def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
@@ -937,11 +972,11 @@ def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     return exported
 
 
-def sessionstart(environ: Mapping[str, str]) -> str:
+def sessionstart(environ: Mapping[str, str], cwd: str | None = None) -> str:
     """Append the session's environment to $CLAUDE_ENV_FILE; stdout is the hook's JSON."""
     messages: list[str] = []
     try:
-        lines, messages = sessionLines(environ)
+        lines, messages = sessionLines(environ, cwd)
         target = environ.get("CLAUDE_ENV_FILE")
         if not target:
             messages.append("agentsandbox: CLAUDE_ENV_FILE is not set; sandboxed Bash keeps Claude Code's environment.")
@@ -985,11 +1020,14 @@ def main(argv: list[str]) -> int:
             _lastResort()
         return 0
     if argv == ["sessionstart"]:
+        cwd: str | None = None
         try:
-            sys.stdin.buffer.read(MAX_INPUT)
+            event = loads(sys.stdin.buffer.read(MAX_INPUT))
+            given = event.get("cwd") if isinstance(event, dict) else None
+            cwd = given if isinstance(given, str) else None
         except Exception:
             pass
-        sys.stdout.write(sessionstart(os.environ))
+        sys.stdout.write(sessionstart(os.environ, cwd))
         return 0
     print("usage: agentsandbox hook pretooluse|sessionstart  (run by Claude Code; JSON on stdin)", file=sys.stderr)
     if argv and argv[0] == "pretooluse":

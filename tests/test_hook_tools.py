@@ -253,3 +253,31 @@ def test_an_unknown_tool_works_inside_the_project(home: User) -> None:
     assert decision(home, "mcp__files__write", file_path=home.h("projects/repo/x"), content="/* c */\nx") is None
     assert decision(home, "SomeNewTool", url="https://127.0.0.1:8443/", notes="see ~ later") is None
     assert decision(home, "SomeNewTool") is None
+
+
+# --------------------------------------------------------------------------- session start
+
+
+def test_sessionstart_warns_of_a_definition_that_leads_to_a_closed_file(home: User, tmp_path: Path) -> None:
+    """Claude Code lists skills (one line of each SKILL.md) before any tool call: the person is told."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    project = home.home / "projects/repo"
+    event = json.dumps({"hook_event_name": "SessionStart", "cwd": str(project)}).encode()
+    env = dict(home.env, CLAUDE_ENV_FILE=str(tmp_path / "env.sh"), PYTHONPATH=str(REPO))
+
+    def start() -> str:
+        p = subprocess.run([sys.executable, "-m", "agentsandbox", "hook", "sessionstart"], input=event,
+                           capture_output=True, env=env, timeout=60, check=True)
+        return p.stdout.decode()
+
+    assert "WARNING" not in start()
+    skill = project / "sub/.claude/skills/notes"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").symlink_to("../../../../../../Documents/notes.txt")
+    said = json.loads(start())["systemMessage"]
+    assert "WARNING" in said and str(skill / "SKILL.md") in said and home.h("Documents/notes.txt") in said
+    assert "MARKER" not in said
