@@ -277,13 +277,13 @@ def test_workflow_is_removed_unless_the_config_reopens_it(claude: ClaudeBinary, 
     ``sandbox.allow_tools = ["Workflow"]`` the rendered drop-in offers it again.
     """
     notes = str(world.documents / "notes.txt")
-    assert "Workflow" in managed["permissions"]["deny"]
     run = play(claude, world, api, [ToolCall("Workflow", {"scriptPath": notes})], cwd=world.project,
                mockError=True)
     assert "Workflow" not in offered(run), run.describe()
     assert f"{MOCK_ERROR}: tool Workflow not offered" in str((run.result or {}).get("result")), run.describe()
     assert run.outcomes == [], run.describe()
     assertNoLeak(run, world)
+    assert "Workflow" in managed["permissions"]["deny"]
 
     reopened = world.base / "etc" / "workflow.toml"
     reopened.write_text(world.config.read_text().replace("[sandbox]\n", '[sandbox]\nallow_tools = ["Workflow"]\n'))
