@@ -60,6 +60,8 @@ PROJECT_TEXT = "agentsandbox e2e project file: readable-1c5d"
 #: itself the marker (a Glob that lists the directory shows it).
 CANARY_PRIVATE = "AGENTSANDBOX-CANARY-PRIVATE-NOTES-4b7e"
 CANARY_PRIVATE_NAME = "agentsandbox-canary-private-name-e81d.txt"
+#: In ~/Documents/notes.txt, closed too: the file issue 23's reproductions reach.
+CANARY_DOCUMENTS = "AGENTSANDBOX-CANARY-DOCUMENTS-NOTES-c3a1"
 #: Credential variables planted in Claude Code's own environment.  Each value
 #: is unique so its absence from any output is meaningful.
 CANARY_ENV = {
@@ -322,6 +324,8 @@ class World:
 
     base: Path
     proxyPort: int
+    #: sandbox.domains of the world's config.
+    domains: tuple[str, ...] = ("example.org",)
     home: Path = field(init=False)
     project: Path = field(init=False)
     docs: Path = field(init=False)
@@ -331,6 +335,7 @@ class World:
     launcher: Path = field(init=False)
     strayKey: Path = field(init=False)
     private: Path = field(init=False)
+    documents: Path = field(init=False)
     claudeTmp: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -344,11 +349,12 @@ class World:
         self.launcher = b / "bin" / "agentsandbox"
         self.strayKey = self.home / "old-laptop" / "id_ed25519"
         self.private = self.home / "private"
+        self.documents = self.home / "Documents"
         self.claudeTmp = b / "claude-tmp"
 
     def build(self) -> World:
         for d in (self.home / ".ssh", self.strayKey.parent, self.claudeTmp, self.project, self.docs, self.outside,
-                  self.private, self.config.parent, self.launcher.parent):
+                  self.private, self.documents, self.config.parent, self.launcher.parent):
             d.mkdir(parents=True, exist_ok=True)
         (self.home / ".ssh").chmod(0o700)
         for key in (self.home / ".ssh" / "id_ed25519", self.strayKey):
@@ -365,6 +371,7 @@ class World:
             (d / "book.ipynb").write_text(json.dumps(notebook))
         (self.private / "notes.txt").write_text(CANARY_PRIVATE + "\n")
         (self.private / CANARY_PRIVATE_NAME).write_text("named\n")
+        (self.documents / "notes.txt").write_text(f"private notes {CANARY_DOCUMENTS}\n")
         # Write paths are kept out of read paths: 2.1.197 cannot start its
         # sandbox otherwise, and the config loader refuses that layout.
         self.config.write_text(
@@ -372,7 +379,7 @@ class World:
             'read = ["~/docs"]\n'
             'write = ["~/work"]\n'
             'deny = []\n'
-            'domains = ["example.org"]\n'
+            f"domains = {json.dumps(list(self.domains))}\n"
             "\n[proxy]\n"
             f"port = {self.proxyPort}\n"
         )
@@ -383,7 +390,7 @@ class World:
     def secretFiles(self) -> dict[Path, bytes]:
         """Every protected file's bytes, and the closed ~/private's listing (nothing may appear there)."""
         files = (self.home / ".ssh" / "id_ed25519", self.strayKey, self.home / ".bashrc",
-                 self.private / "notes.txt", self.private / "book.ipynb")
+                 self.private / "notes.txt", self.private / "book.ipynb", self.documents / "notes.txt")
         listing = "\n".join(sorted(os.listdir(self.private))).encode()
         return {**{p: p.read_bytes() for p in files}, self.private: listing}
 
@@ -422,7 +429,18 @@ class World:
         return env
 
     def canaries(self) -> list[str]:
-        return [CANARY_KEY, CANARY_BASHRC, CANARY_PRIVATE, CANARY_PRIVATE_NAME, *CANARY_ENV.values()]
+        return [CANARY_KEY, CANARY_BASHRC, CANARY_PRIVATE, CANARY_PRIVATE_NAME, CANARY_DOCUMENTS,
+                *CANARY_ENV.values()]
+
+
+def gitCheckout(path: Path) -> Path:
+    """Make ``path`` a git repository with one commit of what it holds (no user or system config)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(path), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_AUTHOR_NAME": "e2e", "GIT_AUTHOR_EMAIL": "e2e@example.org",
+           "GIT_COMMITTER_NAME": "e2e", "GIT_COMMITTER_EMAIL": "e2e@example.org"}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "--allow-empty", "-m", "fixture"]):
+        subprocess.run(["git", *args], cwd=str(path), env=env, check=True, capture_output=True, timeout=60)
+    return path
 
 
 # --- running claude ----------------------------------------------------------------
@@ -485,6 +503,10 @@ class ClaudeRun:
     def everything(self) -> str:
         """All text that left Claude Code: its output and what it sent the model."""
         return "\n".join([self.stdout, self.stderr, json.dumps(self.requests)])
+
+    def requestsHolding(self, text: str) -> list[int]:
+        """The index of every request body sent to the mock that holds ``text`` anywhere."""
+        return [i for i, body in enumerate(self.requests) if text in json.dumps(body, ensure_ascii=False)]
 
     def describe(self) -> str:
         lines = [f"$ {' '.join(self.argv[:2])} … (rc={self.returncode}, timed out={self.timedOut})"]

@@ -1,0 +1,586 @@
+"""Issue 23 through the real Claude Code: the tools past the six file tools, under the drop-in.
+
+Each test installs the rendered drop-in (as test_claude_e2e does), points the
+pinned 2.1.197 and the newest release at the mock Messages API and has the
+mock make the issue's calls.  The home has a closed ``~/Documents`` (a git
+checkout) whose ``notes.txt`` holds a marker; every request body the mock
+recorded, and Claude Code's own output, is searched for it and for the
+world's other markers, not only the final answer.
+
+What each test shows, per release, is in its docstring; the controls (a
+worktree inside the project, a skill under the project, Monitor, a subagent,
+a listed WebFetch) show the holds did not take the tools away.  Where Claude
+Code reaches a closed file outside any tool call (the skill listing), the
+assertion stays and is marked xfail with what would stop it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.claude_harness import (
+    CANARY_DOCUMENTS,
+    MANAGED_ROOT,
+    PINNED_VERSION,
+    PROJECT_TEXT,
+    ClaudeBinary,
+    ClaudeRun,
+    ManagedSettingsGuard,
+    ToolOutcome,
+    World,
+    freeLoopbackPort,
+    gitCheckout,
+    latestClaude,
+    mockAPI,
+    pinnedClaude,
+    runClaude,
+    tempLeftoversRemoved,
+)
+from tests.support.mock_messages import (
+    MOCK_ERROR,
+    MockMessagesAPI,
+    ToolCall,
+    offeredTools,
+    scriptPrompt,
+)
+
+DROP_IN = MANAGED_ROOT / "managed-settings.d" / "50-agentsandbox.json"
+NOTES_TEXT = f"private notes {CANARY_DOCUMENTS}"
+SKILL_BODY = "agentsandbox e2e skill body: build-7d21"
+#: The GrowthBook flag that offers Monitor on 2.1.197 (tests/support/claude_tools.py).
+MONITOR_FLAG = "tengu_amber_sentinel"
+
+
+@functools.cache
+def _binaries() -> dict[str, ClaudeBinary]:
+    return {"pinned": pinnedClaude(), "latest": latestClaude()}
+
+
+@pytest.fixture(params=["pinned", "latest"])
+def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
+    """The Claude Code binary under test; skips with the reason when it is unusable."""
+    binary = _binaries()[request.param]
+    binary.require()
+    return binary
+
+
+class Listener:
+    """A loopback TCP port listed in sandbox.domains: counts who connects, answers nothing."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = int(self.sock.getsockname()[1])
+        self.connections = 0
+        threading.Thread(target=self._serve, name="surface-listener", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def listener() -> Iterator[Listener]:
+    server = Listener()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def world(listener: Listener) -> Iterator[World]:
+    # Not under /tmp: the temp dir is writable by policy (test_claude_e2e says why).
+    base = Path(tempfile.mkdtemp(prefix="agentsandbox-surface-", dir="/var/tmp"))
+    try:
+        w = World(base=base, proxyPort=freeLoopbackPort(),
+                  domains=("example.org", f"127.0.0.1:{listener.port}")).build()
+        # ~/Documents is a git checkout of its own (issue 23, 2).
+        gitCheckout(w.documents)
+        # ~/.claude as someone who uses Claude Code has it.  2.1.197's sandbox
+        # binds over the cwd's .claude/{commands,agents,skills} and settings
+        # files and cannot create the mount points in a read-only home, so a
+        # session started in home has no Bash without them (reported).
+        for name in ("commands", "agents", "skills", "hooks"):
+            (w.home / ".claude" / name).mkdir(parents=True, exist_ok=True)
+        (w.home / ".claude" / "settings.local.json").write_text("{}\n")
+        # WebFetch asks claude.ai whether a domain is safe before fetching;
+        # offline that fails every fetch, listed or not, before it is tried.
+        (w.home / ".claude" / "settings.json").write_text(json.dumps({"skipWebFetchPreflight": True}) + "\n")
+        yield w
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[MockMessagesAPI]:
+    with mockAPI() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def managed(world: World) -> Iterator[dict[str, Any]]:
+    """The rendered drop-in, installed in an otherwise empty /etc/claude-code."""
+    usable = [b for b in _binaries().values() if b.problem is None]
+    (usable[0] if usable else _binaries()["pinned"]).require()
+    with ManagedSettingsGuard(), tempLeftoversRemoved():
+        installed = _install(world, world.config)
+        yield installed
+
+
+def _install(world: World, config: Path) -> dict[str, Any]:
+    world.agentsandbox("install", "--managed-dir", str(MANAGED_ROOT), "--config", str(config))
+    rendered = json.loads(world.agentsandbox("render", "claude", "--config", str(config)).stdout)
+    installed: dict[str, Any] = json.loads(DROP_IN.read_text())
+    assert installed == rendered, "install wrote something other than render prints"
+    return installed
+
+
+@contextmanager
+def _installedFrom(world: World, config: Path, managed: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The drop-in ``config`` renders, installed for the block; the world's own afterwards."""
+    try:
+        yield _install(world, config)
+    finally:
+        assert _install(world, world.config) == managed
+
+
+# --- running and checking ------------------------------------------------------------------
+
+
+def _project(world: World, claude: ClaudeBinary, name: str, *, git: bool = False) -> Path:
+    """A fresh project for one test on one release, under ~/work (which sessions may write)."""
+    path = world.home / "work" / f"{name}-{claude.version}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / "README.md").write_text(PROJECT_TEXT + "\n")
+    if git:
+        gitCheckout(path)
+    return path
+
+
+def _flaggedEnv(world: World, api: MockMessagesAPI) -> dict[str, str]:
+    """Claude Code's env with Monitor offered on 2.1.197 too, and no way off this machine.
+
+    2.1.197 offers Monitor only under a GrowthBook flag, read from ~/.claude.json's
+    cache when non-essential traffic is not disabled; every proxy variable then
+    points at a closed loopback port, as tests/support/claude_tools.py does.
+    """
+    state = world.home / ".claude.json"
+    try:
+        data = json.loads(state.read_text())
+    except (OSError, ValueError):
+        data = {}
+    features = dict(data.get("cachedGrowthBookFeatures") or {})
+    features[MONITOR_FLAG] = True
+    data.update(hasCompletedOnboarding=True, cachedGrowthBookFeatures=features)
+    state.write_text(json.dumps(data))
+    env = world.claudeEnv(api)
+    del env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"]
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy"):
+        env[name] = "http://127.0.0.1:9"
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    return env
+
+
+def play(claude: ClaudeBinary, world: World, api: MockMessagesAPI, calls: list[ToolCall], *, cwd: Path,
+         env: dict[str, str] | None = None, mockError: bool = False) -> ClaudeRun:
+    """Run the calls; every run must end, and leave every protected file as it was."""
+    before = world.secretFiles()
+    run = runClaude(claude.require(), calls, cwd=cwd, env=env or world.claudeEnv(api), api=api)
+    assert not run.timedOut, run.describe()
+    result = run.result
+    assert result is not None, f"no result event\n{run.describe()}"
+    if not mockError:
+        assert MOCK_ERROR not in str(result.get("result")), run.describe()
+    assert world.secretFiles() == before, f"a protected file changed\n{run.describe()}"
+    return run
+
+
+def leaks(run: ClaudeRun, world: World, excused: Iterable[str] = ()) -> list[str]:
+    """Where a marker left Claude Code: each request body the mock recorded, stdout, stderr.
+
+    ``excused`` texts are cut out first (an xfail'd path checked on its own).
+    """
+    excused = list(excused)
+    places = [(f"request {i}", json.dumps(body, ensure_ascii=False)) for i, body in enumerate(run.requests)]
+    places += [("stdout", run.stdout), ("stderr", run.stderr)]
+    found = []
+    for where, text in places:
+        for cut in excused:
+            text = text.replace(cut, "")
+        for canary in world.canaries():
+            at = text.find(canary)
+            if at >= 0:
+                found.append(f"{where}: {canary!r} in ...{text[max(0, at - 240):at + 80]!r}...")
+    return found
+
+
+def assertNoLeak(run: ClaudeRun, world: World, excused: Iterable[str] = ()) -> None:
+    found = leaks(run, world, excused)
+    assert not found, "a marker reached the mock API or the output:\n" + "\n".join(found) + "\n" + run.describe()
+
+
+def assertOurHook(outcome: ToolOutcome, run: ClaudeRun, *named: str) -> None:
+    """Refused by the agentsandbox hook, whose reason names each of ``named``."""
+    assert outcome.isError, f"{outcome.name} was not refused\n{run.describe()}"
+    assert "agentsandbox refused" in outcome.text, f"not our hook's reason\n{run.describe()}"
+    for text in named:
+        assert text in outcome.text, f"the reason does not name {text}\n{run.describe()}"
+
+
+def assertWorked(outcome: ToolOutcome, run: ClaudeRun, *holds: str) -> None:
+    assert not outcome.isError, f"{outcome.name} failed\n{run.describe()}"
+    for text in holds:
+        assert text in outcome.text, f"{outcome.name}'s result lacks {text!r}\n{run.describe()}"
+
+
+def offered(run: ClaudeRun) -> set[str]:
+    names: set[str] = set()
+    for body in run.requests:
+        names |= offeredTools(body)
+    return names
+
+
+# --- 1. Workflow ---------------------------------------------------------------------------
+
+
+@pytest.mark.claude
+def test_workflow_is_removed_unless_the_config_reopens_it(claude: ClaudeBinary, world: World,
+                                                          api: MockMessagesAPI,
+                                                          managed: dict[str, Any]) -> None:
+    """Issue 23, 1: Workflow reads its scriptPath before any hook runs, so it is not offered at all.
+
+    Both releases: with the drop-in, no request offers Workflow, the scripted
+    call never happens, and ~/Documents/notes.txt reaches nothing.  With
+    ``sandbox.allow_tools = ["Workflow"]`` the rendered drop-in offers it again.
+    """
+    notes = str(world.documents / "notes.txt")
+    run = play(claude, world, api, [ToolCall("Workflow", {"scriptPath": notes})], cwd=world.project,
+               mockError=True)
+    assert "Workflow" not in offered(run), run.describe()
+    assert f"{MOCK_ERROR}: tool Workflow not offered" in str((run.result or {}).get("result")), run.describe()
+    assert run.outcomes == [], run.describe()
+    assertNoLeak(run, world)
+    assert "Workflow" in managed["permissions"]["deny"]
+
+    reopened = world.base / "etc" / "workflow.toml"
+    reopened.write_text(world.config.read_text().replace("[sandbox]\n", '[sandbox]\nallow_tools = ["Workflow"]\n'))
+    with _installedFrom(world, reopened, managed) as dropIn:
+        assert "Workflow" not in dropIn["permissions"]["deny"]
+        # Only a project path: re-opened, 2.1.197 reads scriptPath before the hook (docs/hook.md).
+        run = play(claude, world, api, [ToolCall("Workflow", {"scriptPath": "wf.js"})], cwd=world.project,
+                   env=world.claudeEnv(api, reopened))
+    assert "Workflow" in offered(run), run.describe()
+    assert [o.name for o in run.outcomes] == ["Workflow"], run.describe()
+    assertNoLeak(run, world)
+
+
+# --- 2. EnterWorktree ----------------------------------------------------------------------
+
+
+@pytest.mark.claude
+def test_enter_worktree_cannot_move_the_session_into_a_closed_checkout(claude: ClaudeBinary, world: World,
+                                                                      api: MockMessagesAPI,
+                                                                      managed: dict[str, Any]) -> None:
+    """Issue 23, 2: a worktree entry written into the project's .git names ~/Documents.
+
+    Both releases: the Writes into .git succeed (inside the project), our hook
+    refuses ``EnterWorktree {"path": ~/Documents}``, Bash's ``pwd`` is still the
+    project and its ``cat ~/Documents/notes.txt`` reads nothing.  Control:
+    ``EnterWorktree {"name": "feature"}`` still moves the session into
+    ``.claude/worktrees/feature``.
+    """
+    project = _project(world, claude, "worktree", git=True)
+    entry = project / ".git" / "worktrees" / "docs"
+    documents = str(world.documents)
+    calls = [
+        ToolCall("Write", {"file_path": str(entry / "gitdir"), "content": f"{documents}/.git\n"}),
+        ToolCall("Write", {"file_path": str(entry / "HEAD"), "content": "ref: refs/heads/main\n"}),
+        ToolCall("Write", {"file_path": str(entry / "commondir"), "content": "../..\n"}),
+        ToolCall("EnterWorktree", {"path": documents}),
+        ToolCall("Bash", {"command": "pwd; cat ~/Documents/notes.txt"}),
+        ToolCall("EnterWorktree", {"name": "feature"}),
+        ToolCall("Bash", {"command": "pwd"}),
+    ]
+    run = play(claude, world, api, calls, cwd=project)
+    *writes, enter, probe, feature, where = run.outcomes
+    for write in writes:
+        assertWorked(write, run)
+    assertOurHook(enter, run, documents, "working directory")
+    # The cat fails ("Exit code 1" heads the text): pwd's line is the project.
+    assert str(project) in probe.text.splitlines(), run.describe()
+    assertWorked(feature, run)
+    assertWorked(where, run)
+    assert where.text.strip() == str(project / ".claude" / "worktrees" / "feature"), run.describe()
+    assertNoLeak(run, world)
+
+
+# --- 3. Skill ------------------------------------------------------------------------------
+
+
+class SkillListingLeak(AssertionError):
+    """The marker reached the API in Claude Code's skill listing, with no tool call."""
+
+
+class NestedSkillPlanted(AssertionError):
+    """Sandboxed Bash could plant a skill link in a nested .claude/skills."""
+
+
+#: Why the listing assertions are xfail (measured on 2.1.197 and 2.1.335).
+LISTING_REASON = (
+    "Claude Code reads every SKILL.md it finds, through links, when it builds the skill listing "
+    "(at session start; 2.1.197 also when a file tool first touches a directory holding a nested "
+    ".claude/skills) and sends a file without front matter's first line as the skill's "
+    "description in a <system-reminder>: the closed file reaches the API with no tool call, so "
+    "no PreToolUse hook runs. sandbox.deny (Read() deny rules) does not stop it; "
+    "strictPluginOnlyCustomization: [\"skills\"] in the drop-in does, but also drops every "
+    "project and user skill. What would hold it: Claude Code not following a SKILL.md link out "
+    "of its skills directory (or honouring Read deny rules there), or agentsandbox refusing "
+    "such a link before the session starts (SessionStart cannot stop the listing)."
+)
+PLANT_REASON = (
+    "issue 23's Build asks the drop-in's sandbox to deny Bash writes to nested "
+    ".claude/{skills,commands,agents} and settings*.json; the drop-in renders no such rule, and "
+    "Claude Code protects only the cwd's own .claude"
+)
+
+
+def _link(at: Path, target: Path, relative: bool = False) -> None:
+    at.parent.mkdir(parents=True, exist_ok=True)
+    at.symlink_to(os.path.relpath(target, at.parent) if relative else target)
+
+
+def _buildSkill(project: Path) -> None:
+    skill = project / ".claude" / "skills" / "build" / "SKILL.md"
+    skill.parent.mkdir(parents=True, exist_ok=True)
+    skill.write_text(f"---\nname: build\ndescription: build the project\n---\n{SKILL_BODY}\n")
+
+
+def _listed(*names: str) -> list[str]:
+    """How the skill listing shows a skill whose SKILL.md is the notes file.
+
+    In a request's reminder (``- NAME: DESCRIPTION``), and in the
+    ``commands_changed`` events Claude Code writes to its own stdout.
+    """
+    return [f"- {name}: {NOTES_TEXT}" for name in names] + [f'"description":"{NOTES_TEXT}']
+
+
+@pytest.mark.claude
+def test_skill_linked_to_a_closed_file_is_refused(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
+                                                  managed: dict[str, Any]) -> None:
+    """Issue 23, 3: SKILL.md links to ~/Documents/notes.txt, in the project's and a nested .claude.
+
+    Both releases: our hook refuses ``Skill notes`` and ``Skill roadmap``
+    (naming the link and its target), and the notes reach the API nowhere but
+    the skill listing (which the xfail tests below hold).  Control: the
+    project's own ``build`` skill loads and its body reaches the model.
+    """
+    project = _project(world, claude, "skill")
+    notes = world.documents / "notes.txt"
+    _link(project / ".claude" / "skills" / "notes" / "SKILL.md", notes)
+    _link(project / "sub" / ".claude" / "skills" / "roadmap" / "SKILL.md", notes)
+    (project / "sub" / "x.txt").write_text("x\n")
+    _buildSkill(project)
+    calls = [
+        ToolCall("Skill", {"skill": "notes"}),
+        ToolCall("Read", {"file_path": str(project / "sub" / "x.txt")}),
+        ToolCall("Bash", {"command": "true"}),
+        ToolCall("Skill", {"skill": "roadmap"}),
+        ToolCall("Skill", {"skill": "build"}),
+    ]
+    run = play(claude, world, api, calls, cwd=project)
+    top, _, _, nested, build = run.outcomes
+    assertOurHook(top, run, str(project / ".claude/skills/notes/SKILL.md"), str(notes))
+    assertOurHook(nested, run, str(project / "sub/.claude/skills/roadmap/SKILL.md"), str(notes))
+    assertWorked(build, run)
+    assert run.requestsHolding(SKILL_BODY), f"the build skill's body never reached the model\n{run.describe()}"
+    assertNoLeak(run, world, excused=_listed("notes", "roadmap"))
+
+
+@pytest.mark.claude
+@pytest.mark.xfail(raises=SkillListingLeak, strict=True, reason=LISTING_REASON)
+def test_skill_listing_at_session_start_never_carries_a_closed_file(claude: ClaudeBinary, world: World,
+                                                                    api: MockMessagesAPI,
+                                                                    managed: dict[str, Any]) -> None:
+    """A repository that carries ``.claude/skills/notes/SKILL.md -> ../../../../Documents/notes.txt``.
+
+    A relative link, as a cloned repository can hold one: no tool call at all,
+    the session only runs ``true``.  Both releases send the notes in the first
+    request's skill listing.
+    """
+    project = _project(world, claude, "listing")
+    _link(project / ".claude" / "skills" / "notes" / "SKILL.md", world.documents / "notes.txt", relative=True)
+    run = play(claude, world, api, [ToolCall("Bash", {"command": "true"})], cwd=project)
+    assertNoLeak(run, world, excused=_listed("notes"))
+    listed = run.requestsHolding(CANARY_DOCUMENTS)
+    if listed:
+        raise SkillListingLeak(f"the skill listing of requests {listed} holds {NOTES_TEXT!r}\n{run.describe()}")
+
+
+@pytest.mark.claude
+def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBinary, world: World,
+                                                              api: MockMessagesAPI, managed: dict[str, Any],
+                                                              request: pytest.FixtureRequest) -> None:
+    """The issue's own path: sandboxed Bash plants the link in ``sub/.claude/skills/roadmap``.
+
+    Both releases: the plant succeeds (xfail: the issue asks the sandbox to
+    deny it), our hook refuses ``Skill roadmap``.  2.1.197 discovers the
+    nested skill once Read touched ``sub/`` and lists it with the notes as its
+    description at the next turn (xfail); 2.1.335 does not list it mid-session.
+    """
+    if claude.version == PINNED_VERSION:
+        request.applymarker(pytest.mark.xfail(raises=(SkillListingLeak, NestedSkillPlanted), strict=True,
+                                              reason=f"{LISTING_REASON}; and {PLANT_REASON}"))
+    else:
+        request.applymarker(pytest.mark.xfail(raises=NestedSkillPlanted, strict=True, reason=PLANT_REASON))
+    project = _project(world, claude, "plant")
+    (project / "sub").mkdir()
+    (project / "sub" / "x.txt").write_text("x\n")
+    plant = (f"mkdir -p sub/.claude/skills/roadmap && "
+             f"ln -s {world.documents}/notes.txt sub/.claude/skills/roadmap/SKILL.md && echo planted")
+    calls = [
+        ToolCall("Bash", {"command": plant}),
+        ToolCall("Read", {"file_path": str(project / "sub" / "x.txt")}),
+        ToolCall("Bash", {"command": "true"}),
+        ToolCall("Skill", {"skill": "roadmap"}),
+    ]
+    run = play(claude, world, api, calls, cwd=project)
+    planted = os.path.islink(project / "sub/.claude/skills/roadmap/SKILL.md")
+    skill = run.outcomes[-1]
+    if planted:
+        assertOurHook(skill, run, str(world.documents / "notes.txt"))
+    else:
+        assert skill.isError, run.describe()
+    assertNoLeak(run, world, excused=_listed("roadmap"))
+    listed = run.requestsHolding(CANARY_DOCUMENTS)
+    if listed:
+        raise SkillListingLeak(f"the skill listing of requests {listed} holds {NOTES_TEXT!r}\n{run.describe()}")
+    if planted:
+        raise NestedSkillPlanted(f"{run.outcomes[0].text!r}: sub/.claude/skills/roadmap/SKILL.md was planted")
+
+
+# --- 4. process-relative links -------------------------------------------------------------
+
+
+@pytest.mark.claude
+def test_a_project_link_to_proc_self_cwd_is_refused(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
+                                                    managed: dict[str, Any]) -> None:
+    """Issue 23, 4: Claude Code started in home, its Bash moved into the project.
+
+    Claude Code's own cwd stays home, where ``private/notes.txt`` is closed;
+    hooks run in the session's (the project).  Both releases: Read and Glob
+    through ``P/l-cwd`` (-> /proc/self/cwd) and Write through ``P/l-tcwd``
+    (-> /proc/thread-self/cwd) are refused by our hook as /proc paths, no
+    marker reaches the API, and nothing appears in ~/private.  Control: the
+    project's README reads.
+    """
+    project = _project(world, claude, "proc")
+    (project / "l-cwd").symlink_to("/proc/self/cwd")
+    (project / "l-tcwd").symlink_to("/proc/thread-self/cwd")
+    p = str(project)
+    calls = [
+        ToolCall("Bash", {"command": f"cd {p} && pwd"}),
+        ToolCall("Read", {"file_path": f"{p}/l-cwd/private/notes.txt"}),
+        ToolCall("Glob", {"pattern": f"{p}/l-cwd/private/*"}),
+        ToolCall("Write", {"file_path": f"{p}/l-tcwd/private/new.txt", "content": "planted\n"}),
+        ToolCall("Read", {"file_path": f"{p}/README.md"}),
+    ]
+    run = play(claude, world, api, calls, cwd=world.home)
+    moved, read, glob, write, readme = run.outcomes
+    assertWorked(moved, run, p)
+    assertOurHook(read, run, "/proc/self/cwd", "inside /proc")
+    assertOurHook(glob, run, "/proc/self/cwd", "inside /proc")
+    assertOurHook(write, run, "/proc/thread-self/cwd", "inside /proc")
+    assertWorked(readme, run, PROJECT_TEXT)
+    assertNoLeak(run, world)
+
+
+# --- 5. WebFetch and Monitor's WebSocket ---------------------------------------------------
+
+
+@pytest.mark.claude
+def test_webfetch_and_websockets_are_held_to_sandbox_domains(claude: ClaudeBinary, world: World,
+                                                             api: MockMessagesAPI, listener: Listener,
+                                                             managed: dict[str, Any]) -> None:
+    """Issue 23, 5: WebFetch (and Monitor's ``ws``) connect from Claude Code's own process.
+
+    Both releases: our hook refuses WebFetch of an unlisted host, naming
+    sandbox.domains, and Monitor's WebSocket to it.  Control: WebFetch of the
+    listed ``127.0.0.1:PORT`` is not refused by us and Claude Code connects to
+    it (the listener speaks no TLS, so the fetch itself then fails).
+    """
+    project = _project(world, claude, "fetch")
+    unlisted = f"https://unlisted.example.org/?q={PROJECT_TEXT.replace(' ', '+')}"
+    before = listener.connections
+    calls = [
+        ToolCall("WebFetch", {"url": unlisted, "prompt": "summarise"}),
+        ToolCall("Monitor", {"description": "feed", "ws": {"url": "wss://unlisted.example.org/feed"}}),
+        ToolCall("WebFetch", {"url": f"http://127.0.0.1:{listener.port}/page", "prompt": "summarise"}),
+    ]
+    run = play(claude, world, api, calls, cwd=project, env=_flaggedEnv(world, api))
+    fetch, socketWatch, listed = run.outcomes
+    assertOurHook(fetch, run, "unlisted.example.org:443 is not on the sandbox's allow list", "sandbox.domains")
+    assertOurHook(socketWatch, run, "unlisted.example.org", "sandbox.domains")
+    assert "agentsandbox" not in listed.text, f"our hook refused a listed address\n{run.describe()}"
+    assert listener.connections > before, f"Claude Code never connected to the listed address\n{run.describe()}"
+    assertNoLeak(run, world)
+
+
+# --- 6. what must keep working -------------------------------------------------------------
+
+
+@pytest.mark.claude
+def test_monitor_and_subagents_still_work(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
+                                          managed: dict[str, Any]) -> None:
+    """The hook now runs for every tool: Monitor's command and a subagent's calls must still work.
+
+    Both releases: Monitor's command runs in the sandbox (its event line shows
+    SANDBOX_RUNTIME=1 and its ``cat`` of the notes reads nothing); a subagent's
+    Read of the notes is refused by our hook and its Read of the README works,
+    and that result comes back through Agent.
+    """
+    project = _project(world, claude, "monitor")
+    notes = str(world.documents / "notes.txt")
+    sub = scriptPrompt([ToolCall("Read", {"file_path": notes}),
+                        ToolCall("Read", {"file_path": str(project / "README.md")})])
+    calls = [
+        ToolCall("Monitor", {"description": "probe",
+                             "command": f"echo monitor-event-sandboxed=$SANDBOX_RUNTIME; cat {notes}"}),
+        # Gives the event time to arrive before the next request is sent.
+        ToolCall("Bash", {"command": "sleep 2"}),
+        ToolCall("Agent", {"description": "read the readme", "prompt": sub, "subagent_type": "general-purpose",
+                           "run_in_background": False}),
+    ]
+    run = play(claude, world, api, calls, cwd=project, env=_flaggedEnv(world, api))
+    byName: dict[str, list[ToolOutcome]] = {}
+    for o in run.outcomes:
+        byName.setdefault(o.name, []).append(o)
+    assertWorked(byName["Monitor"][0], run)
+    assert run.requestsHolding("monitor-event-sandboxed=1"), f"no sandboxed Monitor event\n{run.describe()}"
+    closed, readme = byName["Read"]
+    assertOurHook(closed, run, notes)
+    assertWorked(readme, run, PROJECT_TEXT)
+    assertWorked(byName["Agent"][0], run, PROJECT_TEXT)
+    assertNoLeak(run, world)
