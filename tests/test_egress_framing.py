@@ -19,6 +19,7 @@ from twisted.trial import unittest
 
 from agentsandbox.egress.http11 import MAX_HEAD
 from tests.support.egress_fixtures import Collector, ProxyHarness, reactor
+from tests.test_egress_proxy import foreignStarts
 from tests.test_inject import SMUGGLING
 from tests.test_inject_differential import oursOnRequests
 from tests.test_inject_framing import Close, ScriptedFactory, _dechunk
@@ -92,6 +93,17 @@ class ForwardFraming(unittest.TestCase):
             got = bytes(client.received)
             self.assertEqual(f"{_status(got)} {_text(got)}", terminated, f"{name}: {got[:300]!r}")
             self.assertEqual((self.origin.connections, self.origin.raw), (0, b""), name)
+
+    @defer.inlineCallbacks
+    def test_aStartNoRequestCanHaveIsRefusedOnBothPathsWithoutWaitingForMore(self) -> Any:
+        # Neither client closes its side: each answer comes from the bytes alone.
+        yield self.serve({})
+        for what, sent, text in foreignStarts():
+            self.assertEqual(oursOnRequests([sent]).refused, f"400 {text}", what)
+            client = yield self.send(sent, halfClose=False)
+            got = bytes(client.received)
+            self.assertEqual(f"{_status(got)} {_text(got)}", f"400 {text}", what)
+        self.assertEqual(self.origin.connections, 0)
 
     @defer.inlineCallbacks
     def test_aSmuggledHeadPipelinedAfterAGoodRequestIsRefused(self) -> Any:

@@ -1,5 +1,6 @@
 """The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
-the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts."""
+the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts,
+and a request refused at the first byte no request can hold."""
 
 from __future__ import annotations
 
@@ -19,7 +20,20 @@ from agentsandbox.egress.http11 import (
     parseResponseHead,
     requestBody,
     responseBody,
+    takeRequestHead,
 )
+
+#: RFC 9110 §5.6.2's tchar, written out here rather than taken from the module under test.
+TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def _refusal(raw: bytes) -> str | None:
+    """What ``takeRequestHead`` refuses ``raw`` (all that has arrived) with, None while it waits."""
+    try:
+        takeRequestHead(bytearray(raw))
+    except Refused as e:
+        return f"{e.status} {e.why}"
+    return None
 
 
 class HopByHop(unittest.TestCase):
@@ -106,3 +120,61 @@ class FramerPayload(unittest.TestCase):
         framer.expect(b"HEAD")
         framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
         self.assertEqual(framer.payload, 0)
+
+
+class ImpossibleStarts(unittest.TestCase):
+    """A request is refused at the first byte no request line can hold, not when its head
+    ends: a TLS ClientHello or a SOCKS4 request never ends one, and used to wait for the
+    header timeout."""
+
+    def test_everyFirstByteThatNoMethodStartsWithIsRefusedAlone(self) -> None:
+        for byte in range(256):
+            parts = RequestFramer().feed(bytes([byte]))
+            if byte in TCHAR:
+                self.assertEqual(parts, [], byte)
+                continue
+            self.assertEqual(len(parts), 1, byte)
+            (refused,) = parts
+            assert isinstance(refused, Refused), (byte, refused)
+            if byte in b"\r\n":
+                self.assertEqual(refused.why, "a blank line before the request line")
+            else:
+                self.assertEqual(refused.status, 400)
+                self.assertEqual(refused.text, f"refused: a request starting with byte 0x{byte:02x}, which no HTTP method starts with")
+
+    def test_aMethodIsRefusedAtItsFirstImpossibleByteWhereverTheReadsEnd(self) -> None:
+        for raw, at, why in [
+            (b"GE\x00T / HTTP/1.1\r\nHost: a\r\n\r\n", 2, "400 byte 0x00 in the request's method"),
+            (b"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 1, "400 byte 0x40 in the request's method"),
+            (b"POST\x7f/ HTTP/1.1\r\n", 4, "400 byte 0x7f in the request's method"),
+            (b"GET\x0b/\nHost: a\n\n", 3, "400 byte 0x0b in the request's method"),
+            (b" GET / HTTP/1.1\r\nHost: a\r\n\r\n", 0, "400 a request starting with byte 0x20, which no HTTP method starts with"),
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\r\n\r\n" * 2, 0, "400 a request starting with byte 0x16, which no HTTP method starts with"),
+            (b"\x16" + b"a" * 70000 + b"\r\n\r\n", 0, "400 a request starting with byte 0x16, which no HTTP method starts with"),
+        ]:
+            for cut in range(at):
+                self.assertIsNone(_refusal(raw[:cut]), (raw, cut))
+            # However much arrived with the byte, complete head or not, the same refusal.
+            for cut in {at + 1, at + 2, len(raw) // 2, len(raw) - 1, len(raw)} - set(range(at + 1)):
+                self.assertEqual(_refusal(raw[:cut]), why, (raw[:40], cut))
+            framer = RequestFramer()
+            for k in range(at):
+                self.assertEqual(framer.feed(raw[k : k + 1]), [], (raw, k))
+            (refused,) = framer.feed(raw[at : at + 1])
+            assert isinstance(refused, Refused)
+            self.assertEqual(f"{refused.status} {refused.why}", why)
+
+    def test_everyBeginningOfAGoodRequestWaits(self) -> None:
+        for raw in (
+            b"M-SEARCH * HTTP/1.1\r\nHost: a\r\n\r\n",
+            b"CONNECT example.org:443 HTTP/1.1\r\n\r\n",
+            b"GET http://a.example.com/x_y HTTP/1.1\r\nHost: a\r\n\r\n",
+        ):
+            for cut in range(len(raw)):
+                self.assertIsNone(_refusal(raw[:cut]), raw[:cut])
+            self.assertIsNotNone(takeRequestHead(bytearray(raw)))
+
+    def test_whatEndsTheMethodKeepsItsOwnRefusal(self) -> None:
+        # CR and LF after a method are the request line's (or the line end's) to refuse.
+        self.assertEqual(_refusal(b"GET\r\n\r\n"), "400 a malformed request line")
+        self.assertEqual(_refusal(b"GET\nHost"), "400 a header line ends in a bare LF")

@@ -21,7 +21,9 @@ What it owns:
   any but exactly ``chunked``.
 * ``takeRequestHead`` / ``takeResponseHead``: where a head ends in a buffer,
   the size limit (64 KiB; 431 for requests) and the refusals that need no
-  complete head (a blank line before the request line, a bare LF).
+  complete head (a blank line before the request line, a bare LF, a byte no
+  request's method holds: a TLS ClientHello or a SOCKS4 request is refused at
+  its first byte).
 * The body framers, each one message's framing state: ``LengthBody``,
   ``ChunkedBody`` (checked chunk by chunk and re-framed without extensions or
   trailers) and ``UntilClose``; ``requestBody`` and ``responseBody`` decide
@@ -78,12 +80,18 @@ FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 # are visible ASCII, obs-text, space and tab: no CR, LF, NUL or other control,
 # so a bare LF, obsolete folding (a line starting with whitespace is not a
 # token) and "Name : value" all fail the match.
-_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+_TOKEN_CHARS = rb"-!#$%&'*+.^_`|~0-9A-Za-z"
+_TOKEN = rb"[" + _TOKEN_CHARS + rb"]+"
 _FIELDS = rb"(?:" + _TOKEN + rb":[\t \x21-\x7e\x80-\xff]*\r\n)*\r\n"
 _REQUEST_HEAD = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])\r\n" + _FIELDS)
 _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([\x21-\x7e]+) HTTP/1\.([01])")
 _RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: ([\t \x21-\x7e\x80-\xff]*))?\r\n" + _FIELDS)
 _FIELD_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
+# A request's first bytes are its method, a token ended by SP: a leading SP,
+# or a byte that is neither a token character nor SP, CR or LF before the
+# first of those, is one no request line can hold (CR and LF have refusals of
+# their own).  Matched from the start, it reads no further than the method.
+_NOT_A_METHOD = re.compile(rb" |[" + _TOKEN_CHARS + rb"]*[^" + _TOKEN_CHARS + rb" \r\n]")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Whitespace may follow the size or the extensions, never come between them:
 # h11 refuses "5 ;ext" and this parser accepts nothing h11 refuses.
@@ -193,7 +201,24 @@ def parseResponseHead(head: bytes) -> Head:
     return _parsed(head, (status, reason or b""), int(minor), 502)
 
 
+def _impossibleMethod(data: bytes | bytearray) -> str | None:
+    """Why ``data``, the start of a request, can be no request's start (its
+    method holds a byte no method holds, or there is none), or None."""
+    match = _NOT_A_METHOD.match(data)
+    if match is None:
+        return None
+    at = match.end() - 1
+    if at == 0:
+        return f"a request starting with byte 0x{data[0]:02x}, which no HTTP method starts with"
+    return f"byte 0x{data[at]:02x} in the request's method"
+
+
 def _whyMalformed(head: bytes) -> str:
+    # The first impossible byte names the refusal, as it does when the head
+    # comes a byte at a time (``takeRequestHead``).
+    why = _impossibleMethod(head)
+    if why is not None:
+        return why
     if head.count(b"\n") != head.count(b"\r\n"):
         return "a header line ends in a bare LF"
     if b"\n " in head or b"\n\t" in head:
@@ -227,12 +252,21 @@ def takeRequestHead(buf: bytearray) -> Head | None:
         raise Refused(400, "a blank line before the request line")
     end = buf.find(b"\r\n\r\n")
     if end < 0:
+        # A TLS ClientHello or a SOCKS4 request sent here may never end a
+        # head: it is refused at its first byte, not at the header timeout.
+        # (A complete head skips this: its grammar's one match covers it.)
+        why = _impossibleMethod(buf)
+        if why is not None:
+            raise Refused(400, why)
         if len(buf) > MAX_HEAD:
             raise Refused(431, f"a request head over {MAX_HEAD} bytes")
         if buf.count(b"\n") != buf.count(b"\r\n"):
             raise Refused(400, "a header line ends in a bare LF")
         return None
     if end + 4 > MAX_HEAD:
+        why = _impossibleMethod(buf)
+        if why is not None:
+            raise Refused(400, why)
         raise Refused(431, f"a request head over {MAX_HEAD} bytes")
     head = parseRequestHead(bytes(buf[: end + 4]))
     del buf[: end + 4]
