@@ -1,6 +1,7 @@
 """The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
 the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts,
-and a request refused at the first byte no request can hold."""
+a request refused at the first byte no request can hold, and framing or hop-by-hop
+fields spelled with ``_``."""
 
 from __future__ import annotations
 
@@ -178,3 +179,53 @@ class ImpossibleStarts(unittest.TestCase):
         # CR and LF after a method are the request line's (or the line end's) to refuse.
         self.assertEqual(_refusal(b"GET\r\n\r\n"), "400 a malformed request line")
         self.assertEqual(_refusal(b"GET\nHost"), "400 a header line ends in a bare LF")
+
+
+class FramingSpelledWithUnderscore(unittest.TestCase):
+    """A field whose name reads as a framing or hop-by-hop field's once ``_`` is taken for
+    ``-`` is refused: an origin that maps one to the other (CGI/WSGI's
+    ``HTTP_TRANSFER_ENCODING``) would frame by a field the proxy passed on as ordinary."""
+
+    SPELLINGS = (
+        (b"Transfer_Encoding", "Transfer-Encoding"),
+        (b"transfer_encoding", "Transfer-Encoding"),
+        (b"Content_Length", "Content-Length"),
+        (b"content_length", "Content-Length"),
+        (b"CONTENT_LENGTH", "Content-Length"),
+        (b"Keep_Alive", "Keep-Alive"),
+        (b"PROXY_CONNECTION", "Proxy-Connection"),
+        (b"Proxy_Connection", "Proxy-Connection"),
+        (b"Proxy_Authorization", "Proxy-Authorization"),
+        (b"proxy_authenticate", "Proxy-Authenticate"),
+    )
+
+    def test_eachSpellingIsRefusedInARequestNamingItAsSent(self) -> None:
+        for sent, readAs in self.SPELLINGS:
+            for head in (
+                b"POST /a_b HTTP/1.1\r\nHost: a\r\n" + sent + b": 5\r\nContent-Length: 5\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: a\r\n" + sent + b": chunked\r\n\r\n",
+            ):
+                with self.assertRaises(Refused, msg=head) as caught:
+                    parseRequestHead(head)
+                self.assertEqual(caught.exception.status, 400)
+                self.assertEqual(
+                    caught.exception.text, f"refused: a header named {sent.decode()}, read as {readAs} where _ is taken for -"
+                )
+
+    def test_andInAResponse502(self) -> None:
+        for sent, readAs in self.SPELLINGS:
+            with self.assertRaises(Refused) as caught:
+                parseResponseHead(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n" + sent + b": chunked\r\n\r\n")
+            self.assertEqual(caught.exception.status, 502)
+            self.assertEqual(caught.exception.why, f"a header named {sent.decode()}, read as {readAs} where _ is taken for -")
+
+    def test_otherUnderscoresAreOrdinary(self) -> None:
+        head = parseRequestHead(
+            b"GET /x_y?a_b=c_d HTTP/1.1\r\nHost: a_b.example.org\r\nX_Thing: t_1\r\nConnection_: x\r\n"
+            b"_TE: trailers\r\nTransfer_Encoding_X: y\r\nContent-Length: 0\r\n\r\n"
+        )
+        self.assertEqual(
+            [n for n, _ in head.fields], [b"host", b"x_thing", b"connection_", b"_te", b"transfer_encoding_x", b"content-length"]
+        )
+        self.assertEqual(head.length, 0)
+        self.assertEqual(parseResponseHead(b"HTTP/1.1 200 OK\r\nX_Powered_By: y\r\n\r\n").fields, ((b"x_powered_by", b"y"),))
