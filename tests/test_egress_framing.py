@@ -19,6 +19,7 @@ from twisted.trial import unittest
 
 from agentsandbox.egress.http11 import MAX_HEAD
 from tests.support.egress_fixtures import Collector, ProxyHarness, reactor
+from tests.test_egress_proxy import foreignStarts
 from tests.test_inject import SMUGGLING
 from tests.test_inject_differential import oursOnRequests
 from tests.test_inject_framing import Close, ScriptedFactory, _dechunk
@@ -83,6 +84,59 @@ class ForwardFraming(unittest.TestCase):
         self.assertEqual([r["reason"] for r in parses], ["refused: Content-Length together with Transfer-Encoding"])
 
     @defer.inlineCallbacks
+    def test_transferEncodingSpelledWithUnderscoreBesideContentLengthIs400AndTheOriginGetsNothing(self) -> Any:
+        # Issue 23's gadget: an origin that reads Transfer_Encoding as
+        # Transfer-Encoding frames by the chunks and reads "GET /smuggled" next.
+        yield self.serve({b"/x": ([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], False)})
+        origin = self.authority
+        smuggled = b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: internal\r\n\r\n"
+        for name in (b"Transfer_Encoding", b"transfer_encoding", b"TRANSFER_ENCODING"):
+            raw = b"POST http://%b/x HTTP/1.1\r\nHost: %b\r\nContent-Length: %d\r\n%b: chunked\r\n\r\n%b" % (
+                origin,
+                origin,
+                len(smuggled),
+                name,
+                smuggled,
+            )
+            client = yield self.send(raw)
+            text = f"refused: a header named {name.decode()}, read as Transfer-Encoding where _ is taken for -"
+            self.assertEqual(f"{_status(client.received)} {_text(client.received)}", f"400 {text}")
+            self.assertEqual([r["reason"] for r in self.proxy.records() if r["event"] == "parse"][-1], text)
+        self.assertEqual((self.origin.connections, self.origin.raw), (0, b""))
+
+    @defer.inlineCallbacks
+    def test_otherFramingAndHopByHopNamesSpelledWithUnderscoreAre400(self) -> Any:
+        yield self.serve({b"/x": ([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], False)})
+        for field, readAs in [
+            (b"content_length: 5", "Content-Length"),
+            (b"Content_Length: 5", "Content-Length"),
+            (b"Keep_Alive: timeout=5", "Keep-Alive"),
+            (b"PROXY_CONNECTION: keep-alive", "Proxy-Connection"),
+            (b"Proxy_Connection: close", "Proxy-Connection"),
+            (b"Proxy_Authorization: Basic eDp5", "Proxy-Authorization"),
+        ]:
+            raw = self.absolute(b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n%b\r\n\r\n0\r\n\r\n" % field)
+            client = yield self.send(raw)
+            name = field.partition(b":")[0].decode()
+            self.assertEqual(
+                f"{_status(client.received)} {_text(client.received)}",
+                f"400 refused: a header named {name}, read as {readAs} where _ is taken for -",
+            )
+        self.assertEqual((self.origin.connections, self.origin.raw), (0, b""))
+
+    @defer.inlineCallbacks
+    def test_aResponseWithFramingSpelledWithUnderscoreIs502(self) -> Any:
+        yield self.serve(
+            {b"/te": ([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer_Encoding: chunked\r\n\r\n0\r\n\r\n"], False)}
+        )
+        client = yield self.send(self.absolute(b"GET /te HTTP/1.1\r\nHost: x\r\n\r\n"))
+        self.assertTrue(bytes(client.received).startswith(b"HTTP/1.1 502 "), client.received)
+        self.assertIn(
+            b"sent an invalid response: a header named Transfer_Encoding, read as Transfer-Encoding where _ is taken for -",
+            client.received,
+        )
+
+    @defer.inlineCallbacks
     def test_everyHeadTheTerminatedPathRefusesIsRefusedHereWithItsText(self) -> Any:
         yield self.serve({b"/echo": ([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], False)})
         for name, raw in SMUGGLING.items():
@@ -92,6 +146,17 @@ class ForwardFraming(unittest.TestCase):
             got = bytes(client.received)
             self.assertEqual(f"{_status(got)} {_text(got)}", terminated, f"{name}: {got[:300]!r}")
             self.assertEqual((self.origin.connections, self.origin.raw), (0, b""), name)
+
+    @defer.inlineCallbacks
+    def test_aStartNoRequestCanHaveIsRefusedOnBothPathsWithoutWaitingForMore(self) -> Any:
+        # Neither client closes its side: each answer comes from the bytes alone.
+        yield self.serve({})
+        for what, sent, text in foreignStarts():
+            self.assertEqual(oursOnRequests([sent]).refused, f"400 {text}", what)
+            client = yield self.send(sent, halfClose=False)
+            got = bytes(client.received)
+            self.assertEqual(f"{_status(got)} {_text(got)}", f"400 {text}", what)
+        self.assertEqual(self.origin.connections, 0)
 
     @defer.inlineCallbacks
     def test_aSmuggledHeadPipelinedAfterAGoodRequestIsRefused(self) -> Any:

@@ -66,13 +66,17 @@ class ConnectTests(TestCase):
 
 # ---------------------------------------------------------------- helpers
 
+import ssl  # noqa: E402
+
 from twisted.internet.defer import Deferred  # noqa: E402
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol  # noqa: E402
+from twisted.internet.error import ConnectionDone  # noqa: E402
 from twisted.internet.interfaces import IProtocol  # noqa: E402
 from twisted.internet.protocol import Protocol  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
+from agentsandbox.egress.http import errorReply  # noqa: E402
 from agentsandbox.egress.interfaces import IPeerChecker, ITerminator  # noqa: E402
 from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
@@ -85,6 +89,33 @@ def socksConnect(host: bytes, port: int, atyp: int = 3, auth: bool = False) -> b
 
 
 OK = b"\x05\x00\x00\x01" + b"\0" * 6
+
+
+def clientHello() -> bytes:
+    """The first flight of a real TLS client (what a client pointed at the proxy as an
+    https:// proxy sends), from the standard library's OpenSSL."""
+    context = ssl.create_default_context()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname="echo.example.org")
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+#: What arrives at the proxy's port from clients that speak something else,
+#: with the refusal each gets: (what, bytes, text).
+def foreignStarts() -> list[tuple[str, bytes, str]]:
+    socks4 = b"\x04\x01" + (443).to_bytes(2, "big") + bytes([192, 0, 2, 10]) + b"user\x00"
+    socks4a = b"\x04\x01" + (443).to_bytes(2, "big") + b"\x00\x00\x00\x01user\x00echo.example.org\x00"
+    starting = "refused: a request starting with byte 0x{:02x}, which no HTTP method starts with"
+    return [
+        ("SOCKS4", socks4, starting.format(4)),
+        ("SOCKS4a", socks4a, starting.format(4)),
+        ("TLS ClientHello", clientHello(), starting.format(0x16)),
+        ("a NUL inside a method", b"GE\x00T http://echo.example.org/ HTTP/1.1", "refused: byte 0x00 in the request's method"),
+    ]
 
 
 def socksReply(code: int) -> bytes:
@@ -313,6 +344,25 @@ class HttpTests(BaseProxyTest):
         clock.pump([0.025] * 6)  # 0.25 s
         await c.done
         self.assertIn("proxy.header_timeout", h.records()[-1]["reason"])
+
+    @deferredTest
+    async def test_aFirstByteNoRequestStartsWithIs400AndClosedAtOnce(self) -> None:
+        # These used to wait, unanswered, for proxy.header_timeout (60 s).  The
+        # clock is never moved: the refusal must need no timer.
+        clock = Clock()
+        h = await self.proxy(["echo.example.org"], clock=clock)
+        for what, sent, text in foreignStarts():
+            c = Collector(sent)  # no half-close: such a client waits for an answer
+            read = h.doorRead(1)
+            await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", h.port), c)
+            door = await read
+            self.assertTrue(door.gone, f"{what}: not refused in the turn that read it")
+            self.assertEqual(await c.done, errorReply(400, text), what)
+            self.assertIsInstance(c.reason.value, ConnectionDone, what)
+            record = h.records()[-1]
+            self.assertEqual((record["event"], record["kind"], record["reason"]), ("parse", "http", text), what)
+        self.assertEqual(clock.seconds(), 0)
+        self.assertEqual(h.dialer.dialled, [])
 
     @deferredTest
     async def test_idleTimeoutClosesTunnel(self) -> None:

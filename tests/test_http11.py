@@ -1,5 +1,7 @@
 """The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
-the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts."""
+the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts,
+a request refused at the first byte no request can hold, and framing or hop-by-hop
+fields spelled with ``_``."""
 
 from __future__ import annotations
 
@@ -19,7 +21,20 @@ from agentsandbox.egress.http11 import (
     parseResponseHead,
     requestBody,
     responseBody,
+    takeRequestHead,
 )
+
+#: RFC 9110 §5.6.2's tchar, written out here rather than taken from the module under test.
+TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def _refusal(raw: bytes) -> str | None:
+    """What ``takeRequestHead`` refuses ``raw`` (all that has arrived) with, None while it waits."""
+    try:
+        takeRequestHead(bytearray(raw))
+    except Refused as e:
+        return f"{e.status} {e.why}"
+    return None
 
 
 class HopByHop(unittest.TestCase):
@@ -106,3 +121,111 @@ class FramerPayload(unittest.TestCase):
         framer.expect(b"HEAD")
         framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
         self.assertEqual(framer.payload, 0)
+
+
+class ImpossibleStarts(unittest.TestCase):
+    """A request is refused at the first byte no request line can hold, not when its head
+    ends: a TLS ClientHello or a SOCKS4 request never ends one, and used to wait for the
+    header timeout."""
+
+    def test_everyFirstByteThatNoMethodStartsWithIsRefusedAlone(self) -> None:
+        for byte in range(256):
+            parts = RequestFramer().feed(bytes([byte]))
+            if byte in TCHAR:
+                self.assertEqual(parts, [], byte)
+                continue
+            self.assertEqual(len(parts), 1, byte)
+            (refused,) = parts
+            assert isinstance(refused, Refused), (byte, refused)
+            if byte in b"\r\n":
+                self.assertEqual(refused.why, "a blank line before the request line")
+            else:
+                self.assertEqual(refused.status, 400)
+                self.assertEqual(refused.text, f"refused: a request starting with byte 0x{byte:02x}, which no HTTP method starts with")
+
+    def test_aMethodIsRefusedAtItsFirstImpossibleByteWhereverTheReadsEnd(self) -> None:
+        for raw, at, why in [
+            (b"GE\x00T / HTTP/1.1\r\nHost: a\r\n\r\n", 2, "400 byte 0x00 in the request's method"),
+            (b"G@T / HTTP/1.1\r\nHost: a\r\n\r\n", 1, "400 byte 0x40 in the request's method"),
+            (b"POST\x7f/ HTTP/1.1\r\n", 4, "400 byte 0x7f in the request's method"),
+            (b"GET\x0b/\nHost: a\n\n", 3, "400 byte 0x0b in the request's method"),
+            (b" GET / HTTP/1.1\r\nHost: a\r\n\r\n", 0, "400 a request starting with byte 0x20, which no HTTP method starts with"),
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\r\n\r\n" * 2, 0, "400 a request starting with byte 0x16, which no HTTP method starts with"),
+            (b"\x16" + b"a" * 70000 + b"\r\n\r\n", 0, "400 a request starting with byte 0x16, which no HTTP method starts with"),
+        ]:
+            for cut in range(at):
+                self.assertIsNone(_refusal(raw[:cut]), (raw, cut))
+            # However much arrived with the byte, complete head or not, the same refusal.
+            for cut in {at + 1, at + 2, len(raw) // 2, len(raw) - 1, len(raw)} - set(range(at + 1)):
+                self.assertEqual(_refusal(raw[:cut]), why, (raw[:40], cut))
+            framer = RequestFramer()
+            for k in range(at):
+                self.assertEqual(framer.feed(raw[k : k + 1]), [], (raw, k))
+            (refused,) = framer.feed(raw[at : at + 1])
+            assert isinstance(refused, Refused)
+            self.assertEqual(f"{refused.status} {refused.why}", why)
+
+    def test_everyBeginningOfAGoodRequestWaits(self) -> None:
+        for raw in (
+            b"M-SEARCH * HTTP/1.1\r\nHost: a\r\n\r\n",
+            b"CONNECT example.org:443 HTTP/1.1\r\n\r\n",
+            b"GET http://a.example.com/x_y HTTP/1.1\r\nHost: a\r\n\r\n",
+        ):
+            for cut in range(len(raw)):
+                self.assertIsNone(_refusal(raw[:cut]), raw[:cut])
+            self.assertIsNotNone(takeRequestHead(bytearray(raw)))
+
+    def test_whatEndsTheMethodKeepsItsOwnRefusal(self) -> None:
+        # CR and LF after a method are the request line's (or the line end's) to refuse.
+        self.assertEqual(_refusal(b"GET\r\n\r\n"), "400 a malformed request line")
+        self.assertEqual(_refusal(b"GET\nHost"), "400 a header line ends in a bare LF")
+
+
+class FramingSpelledWithUnderscore(unittest.TestCase):
+    """A field whose name reads as a framing or hop-by-hop field's once ``_`` is taken for
+    ``-`` is refused: an origin that maps one to the other (CGI/WSGI's
+    ``HTTP_TRANSFER_ENCODING``) would frame by a field the proxy passed on as ordinary."""
+
+    SPELLINGS = (
+        (b"Transfer_Encoding", "Transfer-Encoding"),
+        (b"transfer_encoding", "Transfer-Encoding"),
+        (b"Content_Length", "Content-Length"),
+        (b"content_length", "Content-Length"),
+        (b"CONTENT_LENGTH", "Content-Length"),
+        (b"Keep_Alive", "Keep-Alive"),
+        (b"PROXY_CONNECTION", "Proxy-Connection"),
+        (b"Proxy_Connection", "Proxy-Connection"),
+        (b"Proxy_Authorization", "Proxy-Authorization"),
+        (b"proxy_authenticate", "Proxy-Authenticate"),
+    )
+
+    def test_eachSpellingIsRefusedInARequestNamingItAsSent(self) -> None:
+        for sent, readAs in self.SPELLINGS:
+            for head in (
+                b"POST /a_b HTTP/1.1\r\nHost: a\r\n" + sent + b": 5\r\nContent-Length: 5\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: a\r\n" + sent + b": chunked\r\n\r\n",
+            ):
+                with self.assertRaises(Refused, msg=head) as caught:
+                    parseRequestHead(head)
+                self.assertEqual(caught.exception.status, 400)
+                self.assertEqual(
+                    caught.exception.text, f"refused: a header named {sent.decode()}, read as {readAs} where _ is taken for -"
+                )
+
+    def test_andInAResponse502(self) -> None:
+        for sent, readAs in self.SPELLINGS:
+            with self.assertRaises(Refused) as caught:
+                parseResponseHead(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n" + sent + b": chunked\r\n\r\n")
+            self.assertEqual(caught.exception.status, 502)
+            self.assertEqual(caught.exception.why, f"a header named {sent.decode()}, read as {readAs} where _ is taken for -")
+
+    def test_otherUnderscoresAreOrdinary(self) -> None:
+        head = parseRequestHead(
+            b"GET /x_y?a_b=c_d HTTP/1.1\r\nHost: a_b.example.org\r\nX_Thing: t_1\r\nConnection_: x\r\n"
+            b"_TE: trailers\r\nTransfer_Encoding_X: y\r\nContent-Length: 0\r\n\r\n"
+        )
+        self.assertEqual(
+            [n for n, _ in head.fields], [b"host", b"x_thing", b"connection_", b"_te", b"transfer_encoding_x", b"content-length"]
+        )
+        self.assertEqual(head.length, 0)
+        self.assertEqual(parseResponseHead(b"HTTP/1.1 200 OK\r\nX_Powered_By: y\r\n\r\n").fields, ((b"x_powered_by", b"y"),))

@@ -21,7 +21,10 @@ never more permissive than h11, never a message framed differently.
   client receives is read back with h11, and agrees with h11's reading of the
   origin's bytes (status, reason, fields, body, ended or not).
 
-What h11 accepts and ours refuses is counted by our reason and printed.
+What h11 accepts and ours refuses is counted by our reason and printed; the
+class refused on purpose (a framing or hop-by-hop name spelled with ``_``,
+``tests/test_inject_differential.py``'s ``SPELLED_WITH_UNDERSCORE``) is never
+read or forwarded, given only to streams that hold it, and counted apart.
 Each property runs a fixed 2,000 derandomized examples (as many as the
 terminated path's), no example database.  The version notes of
 ``tests/test_inject_differential.py`` hold here too.
@@ -68,8 +71,12 @@ from tests.test_inject_differential import (
     _kept,
     _report,
     _watchdog,
+    checkRequests,
+    checkResponse,
     h11Requests,
     h11Response,
+    refusal,
+    refusedOnPurpose,
     requestStream,
     responseStream,
 )
@@ -190,6 +197,7 @@ def checkGrammarRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]
         expected = want.messages[k]
         assert got.head.start == (bytes(expected.head.method), bytes(expected.head.target))
         assert list(got.head.fields) == _headers(expected.head)
+        assert not refusedOnPurpose(_headers(expected.head)), "http11 read a framing name spelled with _"
         assert expected.body.startswith(got.body), "http11 read body bytes h11 does not"
         if got.end is not None:
             assert expected.end is not None, "http11 ended a request where h11 reads on"
@@ -202,7 +210,7 @@ def checkGrammarRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]
         if k < len(finished):
             tally["both accept"] += 1
         elif ours.refused is not None:
-            tally["h11 accepts, http11 refuses: " + ours.refused] += 1
+            tally["h11 accepts, http11 refuses: " + refusal(ours.refused, stream)] += 1
         else:
             raise AssertionError(f"h11 read request {k + 1} to its end; http11 neither read nor refused it")
 
@@ -217,12 +225,13 @@ def checkGrammarResponse(method: bytes, stream: bytes, eof: bool, pieces: list[b
     )
     if not ours.messages:
         if wanted.head is not None:
-            tally[f"h11 accepts, http11 refuses: {ours.refused or 'waits'}"] += 1
+            tally[f"h11 accepts, http11 refuses: {refusal(ours.refused or 'waits', stream)}"] += 1
         else:
             tally["both refuse or wait"] += 1
         return
     got = ours.messages[0]
     assert wanted.head is not None, f"http11 read a response head h11 refuses: {want.error}"
+    assert not refusedOnPurpose(_headers(wanted.head)), "http11 read a framing name spelled with _"
     assert int(got.head.start[0]) == wanted.head.status_code
     assert got.head.start[1] == bytes(wanted.head.reason)
     assert list(got.head.fields) == _headers(wanted.head)
@@ -233,7 +242,7 @@ def checkGrammarResponse(method: bytes, stream: bytes, eof: bool, pieces: list[b
         tally["both accept"] += 1
     elif wanted.end is not None:
         assert ours.refused is not None, "h11 read the response to its end; http11 neither ended nor refused it"
-        tally["h11 accepts, http11 refuses: " + ours.refused] += 1
+        tally["h11 accepts, http11 refuses: " + refusal(ours.refused, stream)] += 1
     else:
         tally["both refuse or wait (mid-body)"] += 1
 
@@ -346,6 +355,7 @@ def checkForwardRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]
         target = bytes(expected.head.target)
         assert bytes(got.head.target) == originForm(target)
         headers = _headers(expected.head)
+        assert not refusedOnPurpose(headers), "the proxy forwarded a framing name spelled with _"
         named = _connectionNamed(headers)
         forwarded = _headers(got.head)
         assert _kept(forwarded, FORWARD_EXEMPT, named) == _kept(headers, FORWARD_EXEMPT, named)
@@ -366,7 +376,7 @@ def checkForwardRequests(stream: bytes, pieces: list[bytes], tally: Counter[str]
         if k < len(finished):
             tally["both accept"] += 1
         elif ours.refused is not None:
-            tally["h11 accepts, ours refuses: " + ours.refused[:90]] += 1
+            tally["h11 accepts, ours refuses: " + refusal(ours.refused, stream)[:90]] += 1
         else:
             raise AssertionError(f"h11 read request {k + 1} to its end; the proxy neither forwarded nor refused it")
 
@@ -413,12 +423,13 @@ def checkForwardResponse(method: bytes, stream: bytes, eof: bool, pieces: list[b
     if not ours.started:
         if received.head is not None:
             assert received.head.status_code == 502, received.head
-            why = "502 " + ours.toClient.rsplit(b"\r\n", 1)[-1].decode().strip().partition(f"{HOST}")[2][:60]
+            why = refusal("502 " + ours.toClient.rsplit(b"\r\n", 1)[-1].decode().strip().partition(f"{HOST}")[2], stream)[:60]
         else:
             why = "cut" if ours.clientCut else "still waits for the end of the head"
         tally[("h11 accepts, ours refuses: " + why) if wanted.head is not None else "both refuse or wait"] += 1
         return
     assert wanted.head is not None, f"the proxy forwarded a response head h11 refuses: {want.error}"
+    assert not refusedOnPurpose(_headers(wanted.head)), "the proxy forwarded a response with a framing name spelled with _"
     assert received.head is not None
     assert received.head.status_code == wanted.head.status_code
     assert received.head.reason == wanted.head.reason
@@ -494,3 +505,43 @@ def test_responsesTheForwardPathRelaysAreH11s(capsys: pytest.CaptureFixture[str]
     check()
     _report(capsys, "forwarded responses (by what h11 and the proxy did):", tally)
     assert tally["both accept"] > 300, "the generator should make mostly acceptable responses"
+
+
+#: Issue 23's gadget and its kin: h11 reads each as an ordinary field (what an
+#: origin mapping _ to - reads as framing), and every reader here refuses it.
+SPELLED_REQUESTS = [
+    b"POST http://api.example.com/x HTTP/1.1\r\nHost: api.example.com\r\nContent-Length: 5\r\n"
+    b"Transfer_Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST http://api.example.com/x HTTP/1.1\r\nHost: api.example.com\r\nTransfer-Encoding: chunked\r\n"
+    b"content_length: 5\r\n\r\n0\r\n\r\n",
+    b"GET http://api.example.com/ HTTP/1.1\r\nHost: api.example.com\r\nPROXY_CONNECTION: keep-alive\r\n\r\n",
+    b"GET /a HTTP/1.1\r\nHost: api.example.com\r\nKeep_Alive: 5\r\n\r\n",
+]
+#: (stream, whether the origin closes after it)
+SPELLED_RESPONSES = [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer_Encoding: chunked\r\n\r\n0\r\n\r\n", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep_Alive: timeout=5\r\n\r\nok", False),
+    (b"HTTP/1.1 200 OK\r\nCONTENT_LENGTH: 2\r\n\r\nok", True),  # h11: a body until the close
+]
+
+
+def test_framingNamesSpelledWithUnderscoreAreRefusedOnPurposeByEveryReader() -> None:
+    tally: Counter[str] = Counter()
+    checked = 0
+    with _watchdog(30):
+        for stream in SPELLED_REQUESTS:
+            assert h11Requests(stream).messages[0].end is not None, "h11 reads it"
+            checkGrammarRequests(stream, [stream], tally)
+            checkRequests(stream, [stream], tally)  # the terminated path
+            checked += 2
+            if stream.startswith((b"GET http", b"POST http")):  # absolute form: the forward path
+                checkForwardRequests(stream, [stream], tally)
+                checked += 1
+        for stream, eof in SPELLED_RESPONSES:
+            assert h11Response(b"GET", stream, eof).messages[0].end is not None, "h11 reads it"
+            checkGrammarResponse(b"GET", stream, eof, [stream], tally)
+            checkForwardResponse(b"GET", stream, eof, [stream], tally)
+            checkResponse(b"GET", stream, eof, [stream], tally)
+            checked += 3
+    onPurpose = sum(n for why, n in tally.items() if why.endswith("on purpose, a framing or hop-by-hop name spelled with _"))
+    assert onPurpose == sum(tally.values()) == checked, tally

@@ -162,6 +162,11 @@ SMUGGLING = {
     "LF in chunk extension": b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5;a\nb\r\nhello\r\n0\r\n\r\n",
     "chunk without CRLF": b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n",
     "garbage request line": b"GET\r\n\r\n",
+    # issue 23: framing under another spelling, which an origin mapping _ to - reads as framing
+    "TE spelled with _ beside CL": b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer_Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+    "CL spelled with _ beside TE": b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\ncontent_length: 5\r\n\r\n0\r\n\r\n",
+    "Keep_Alive": b"GET / HTTP/1.1\r\nHost: a\r\nKEEP_ALIVE: timeout=5\r\n\r\n",
+    "Proxy_Connection": b"GET / HTTP/1.1\r\nHost: a\r\nPROXY_CONNECTION: keep-alive\r\n\r\n",
     "oversized head": b"GET / HTTP/1.1\r\nHost: a\r\nX: " + b"a" * 70000 + b"\r\n\r\n",
 }
 

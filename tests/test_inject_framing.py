@@ -375,6 +375,45 @@ class ScriptedUpstream(unittest.TestCase):
         self.assertTrue(factory.raw.endswith(b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n"), factory.raw)
 
     @defer.inlineCallbacks
+    def test_transferEncodingSpelledWithUnderscoreNeverReachesThePooledUpstream(self) -> Any:
+        # Issue 23's gadget: beside Content-Length, an upstream that reads
+        # Transfer_Encoding as Transfer-Encoding frames by the chunks, and the
+        # kept-alive connection's next request would be the body's "GET /smuggled".
+        factory, port = self.serve({b"/first": ([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"], False)})
+        first = b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n"
+        for name in (b"Transfer_Encoding", b"transfer_encoding"):
+            smuggled = b"0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+            gadget = b"POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%b: chunked\r\n\r\n%b" % (
+                len(smuggled),
+                name,
+                smuggled,
+            )
+            client = yield self.send(port, first + gadget)
+            received = bytes(client.received)
+            self.assertEqual([int(r[:3]) for r in received.split(b"HTTP/1.1 ")[1:]], [200, 400], received)
+            self.assertTrue(
+                received.endswith(b"refused: a header named %b, read as Transfer-Encoding where _ is taken for -\n" % name),
+                received,
+            )
+        # The upstream saw the two good requests, on the one pooled connection, and nothing else.
+        self.assertEqual(factory.raw.count(b"GET /first HTTP/1.1\r\n"), 2, factory.raw)
+        self.assertNotIn(b"POST", factory.raw)
+        self.assertNotIn(b"smuggled", factory.raw)
+        self.assertEqual(factory.connections, 1)
+
+    @defer.inlineCallbacks
+    def test_aResponseWithFramingSpelledWithUnderscoreIs502(self) -> Any:
+        _factory, port = self.serve(
+            {b"/te": ([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer_Encoding: chunked\r\n\r\n0\r\n\r\n"], False)}
+        )
+        client = yield self.send(port, b"GET /te HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(bytes(client.received).startswith(b"HTTP/1.1 502 "), client.received)
+        self.assertIn(
+            b"reached no api.github.com: a header named Transfer_Encoding, read as Transfer-Encoding where _ is taken for -",
+            client.received,
+        )
+
+    @defer.inlineCallbacks
     def test_http10IsRefused(self) -> Any:
         factory, port = self.serve({})
         client = yield self.send(port, b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")

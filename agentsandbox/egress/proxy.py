@@ -2,8 +2,10 @@
 
 Every accepted connection is first checked to come from our own Unix user
 (``peer.py``), then its first byte picks the protocol: ``0x05`` is SOCKS5,
-anything else HTTP (``http.py``).  Both ask ``FrontDoor.openTunnel`` for a
-tunnel, which decides in this order:
+anything else HTTP (``http.py``), whose grammar refuses at once a first byte
+no request can start with (a TLS ClientHello, a SOCKS4 request: 400, a
+``parse`` record, closed; not left to the header timeout).  Both ask
+``FrontDoor.openTunnel`` for a tunnel, which decides in this order:
 
 1. the name against ``sandbox.domains`` (``AllowList.byName``), no DNS;
 2. the cap on concurrent tunnels (``proxy.max_tunnels``);
