@@ -56,6 +56,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import DEFAULT_PROXY_PORT
+from agentsandbox.egress.peer import CLOSED, CLOSED_REFUSAL
 from agentsandbox.paths import DISPATCH_SOCKET
 
 log = Logger(namespace="agentsandbox.dispatch")
@@ -574,6 +575,8 @@ class Dispatcher:
         self.handedOff = 0
         self.unserved: Counter[int] = Counter()
         self.unknownPeers = 0
+        #: Clients that closed before their socket was looked up (no owner to read).
+        self.closedPeers = 0
         self.badClients = 0
 
     # ------------------------------------------------------------------ registrations
@@ -659,6 +662,13 @@ class Dispatcher:
                 log.warn("no socket of {client} in the kernel's socket table; closed", client=_showAddress(client))
                 conn.close()
                 continue
+            if uid is CLOSED:
+                # Its socket has no owner any more (the kernel says uid 0 for
+                # it): handed to anyone, it would be served as that one's.
+                self.closedPeers += 1
+                log.info("{client}: {why}; closed, not handed on", client=_showAddress(client), why=CLOSED_REFUSAL)
+                conn.close()
+                continue
             registration = self.registrations.get(uid)
             if registration is not None and registration.handOff(conn, now=False):
                 self.handedOff += 1
@@ -697,6 +707,7 @@ class Dispatcher:
             "handedOff": self.handedOff,
             "unserved": {str(uid): n for uid, n in sorted(self.unserved.items())},
             "unknownPeers": self.unknownPeers,
+            "closedPeers": self.closedPeers,
             "refusedClients": self.badClients,
         }
 
@@ -989,6 +1000,7 @@ def statusText(status: dict[str, Any]) -> str:
     if unserved:
         lines.append("unserved    " + ", ".join(f"uid {u}: {n}" for u, n in unserved.items()))
     lines.append(f"unknown     {status.get('unknownPeers', 0)} peers not in the socket table, "
+                 f"{status.get('closedPeers', 0)} closed before the check, "
                  f"{status.get('refusedClients', 0)} registration clients refused")  # fmt: skip
     return "\n".join(lines) + "\n"
 
