@@ -57,7 +57,7 @@ from zope.interface import implementer
 
 from agentsandbox.config import DEFAULT_PROXY_PORT
 from agentsandbox.egress.peer import CLOSED, CLOSED_REFUSAL
-from agentsandbox.paths import DISPATCH_SOCKET
+from agentsandbox.paths import DISPATCH_SOCKET, SYSTEM_CONFIG
 
 log = Logger(namespace="agentsandbox.dispatch")
 
@@ -85,6 +85,8 @@ ACCEPT_BATCH = 64
 FDS_PER_MESSAGE = 64
 
 SERVICE_FIX = "`systemctl --user start agentsandbox`, or `agentsandbox serve`"
+#: The machine's config key that lets root's service register.
+ROOT_KEY = "proxy.dispatch_root"
 
 _PEERCRED = struct.Struct("3i")
 #: Room for a few descriptors, so that a client sending some is seen doing it
@@ -162,10 +164,23 @@ def _showAddress(address: tuple[str, int]) -> str:
 # --------------------------------------------------------------------------- refusing unserved clients
 
 
-def refusalText(uid: int) -> str:
+def refusalText(uid: int, serveRoot: bool = True) -> str:
+    if uid == 0 and not serveRoot:
+        return (
+            "this dispatcher does not serve uid 0 (root): the machine's config does not set "
+            f"{ROOT_KEY} = true, so no service of root's may register"
+        )
     return (
         f"no agentsandbox service is registered with the dispatcher for uid {uid}: start yours "
         f"with {SERVICE_FIX}, then retry"
+    )
+
+
+def rootRefusal(source: str) -> str:
+    """Why a registration of uid 0 is refused, naming the key and the config that lacks it."""
+    return (
+        f"registered as uid 0 (root), which this dispatcher does not serve: {ROOT_KEY} is not "
+        f"true in {source} (set it and restart the dispatcher to serve root's sandboxes)"
     )
 
 
@@ -273,7 +288,11 @@ class _Refusal:
             self.socks = SocksHandler(_RefusingDoor(self))  # type: ignore[arg-type]
             return True
         log.info("uid {uid} has no registered service: HTTP connection answered 503", uid=uid)
-        self.send(errorReply(503, refusalText(self.uid) if self.uid is not None else "no agentsandbox service for this connection"))
+        if self.uid is None:
+            text = "no agentsandbox service for this connection"
+        else:
+            text = refusalText(self.uid, self.dispatcher.serveRoot)
+        self.send(errorReply(503, text))
         self.finish()
         return not self.closed
 
@@ -559,12 +578,23 @@ class RegistrationFigures:
 class Dispatcher:
     """The registry (uid -> registration) and the decision for each accepted connection."""
 
-    def __init__(self, reactor: Any, owners: Any = None, clock: Any = None, speakTimeout: float = SPEAK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        owners: Any = None,
+        clock: Any = None,
+        speakTimeout: float = SPEAK_TIMEOUT,
+        serveRoot: bool = False,
+        configSource: str = "the dispatcher's config",
+    ) -> None:
         from agentsandbox.egress.peer import SocketTable
 
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
         self.speakTimeout = speakTimeout
+        #: ``proxy.dispatch_root`` of the config at ``configSource``: whether uid 0 may register.
+        self.serveRoot = serveRoot
+        self.configSource = configSource
         #: Who owns client sockets: ``SocketTable.ownersOf([(client, server), ...])``.
         self.owners = owners if owners is not None else SocketTable()
         self.registrations: dict[int, Client] = {}
@@ -602,6 +632,11 @@ class Dispatcher:
         self.clients.add(Client(self, sock))
 
     def register(self, client: Client) -> None:
+        if client.uid == 0 and not self.serveRoot:
+            # Off unless the admin says so: root's service would be handed every
+            # connection the kernel reports as uid 0, and its policy is the machine's widest.
+            client.refuse(rootRefusal(self.configSource))
+            return
         old = self.registrations.get(client.uid)
         client.registered = True
         self.registrations[client.uid] = client
@@ -709,6 +744,7 @@ class Dispatcher:
             "unknownPeers": self.unknownPeers,
             "closedPeers": self.closedPeers,
             "refusedClients": self.badClients,
+            "servesRoot": self.serveRoot,
         }
 
     def closeAll(self) -> None:
@@ -798,10 +834,12 @@ class DispatchService(MultiService):
         clock: Any = None,
         speakTimeout: float = SPEAK_TIMEOUT,
         createdSocket: str | None = None,
+        serveRoot: bool = False,
+        configSource: str = "the dispatcher's config",
     ) -> None:
         super().__init__()
         self.reactor = reactor
-        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout)
+        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout, serveRoot, configSource)
         for sock in tcp:
             local = _address(sock.getsockname())
             self.dispatcher.ports.append(_showAddress(local))
@@ -1015,7 +1053,8 @@ def main(argv: list[str]) -> int:
         "dispatch",
         "The system dispatcher: owns the proxy port for every user of this machine and "
         "hands each connection to its owner's agentsandbox service.  Runs in the foreground "
-        "(systemd: agentsandbox-dispatch.socket).  --config is read for proxy.port only.",
+        "(systemd: agentsandbox-dispatch.socket).  Of the config (--config, else the usual lookup: "
+        "the machine's /etc/agentsandbox/config.toml) it reads proxy.port and proxy.dispatch_root.",
     )
     parser.add_argument("--port", type=int, help=f"the proxy port (default: the config's proxy.port, {DEFAULT_PROXY_PORT})")
     parser.add_argument("--socket", help=f"the registration socket (default: {DISPATCH_SOCKET})")
@@ -1040,18 +1079,29 @@ def main(argv: list[str]) -> int:
 
     port = args.port
     activated = os.environ.get("LISTEN_PID") == str(os.getpid())
-    if port is None and not activated:
-        port = cli.loadConfig("dispatch", args.config).proxy.port
     if port is not None and not 0 < port < 65536:
         print(f"agentsandbox dispatch: --port {port} is not a port from 1 to 65535", file=sys.stderr)
         return 2
     if not args.speak_timeout > 0:
         print("agentsandbox dispatch: --speak-timeout must be positive", file=sys.stderr)
         return 2
-    return _run(port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout)
+    # Read under socket activation too: whether root may register is the
+    # machine's decision, and the sockets systemd passes do not say it.
+    from agentsandbox.config import BUILTIN
+
+    config = cli.loadConfig("dispatch", args.config)
+    if port is None and not activated:
+        port = config.proxy.port
+    source = config.source
+    if source == BUILTIN:
+        source = f"the built-in defaults (no config file was found; the machine's is {SYSTEM_CONFIG})"
+    return _run(
+        port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout,
+        serveRoot=config.proxy.dispatch_root, configSource=source,
+    )  # fmt: skip
 
 
-def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
+def _run(port: int, path: str, activated: bool, speakTimeout: float, serveRoot: bool, configSource: str) -> int:
     from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
@@ -1059,7 +1109,7 @@ def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
     _raiseDescriptorLimit()
     try:
-        service = makeService(reactor, port, path, speakTimeout=speakTimeout)
+        service = makeService(reactor, port, path, speakTimeout=speakTimeout, serveRoot=serveRoot, configSource=configSource)
     except DispatchStartError as e:
         print(f"agentsandbox dispatch: {e}", file=sys.stderr)
         return 1
@@ -1067,8 +1117,9 @@ def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
     def start() -> None:
         service.startService()
         log.info(
-            "dispatching {ports} to registered services (registration socket {path})",
+            "dispatching {ports} to registered services (registration socket {path}; uid 0 {root})",
             ports=", ".join(service.dispatcher.ports), path="from systemd" if activated else path,
+            root="may register" if serveRoot else f"may not register: {ROOT_KEY} is not true in {configSource}",
         )  # fmt: skip
 
     reactor.callWhenRunning(start)
