@@ -67,12 +67,21 @@ MAX_LINE = 4096
 SPEAK_TIMEOUT = 10.0
 #: Registration-socket clients of one uid that have not registered yet.
 UNREGISTERED_PER_UID = 16
+#: Bytes read from a registration-socket client at a time.  Nothing is read
+#: while its answers wait for its socket, so this (plus one unfinished line)
+#: is what a client that sends and never reads can make the dispatcher hold.
+READ_SIZE = 4 * MAX_LINE
 #: Connections queued for one registration while its socket is full.
 MAX_QUEUED = 1024
 #: Seconds an unserved client gets to send its first byte (and to read the refusal).
 REFUSAL_TIMEOUT = 10.0
-#: Unserved connections being answered at once; past it they are closed at once.
-MAX_REFUSING = 256
+#: Unserved connections of one uid being answered at once; past it that uid's
+#: next ones are closed unanswered, so one user's idle connections cannot take
+#: the slots another user's 503 needs.
+REFUSING_PER_UID = 32
+#: Unserved connections being answered at once, all uids together (a
+#: descriptor and about 1 KiB each); past it they are closed at once.
+MAX_REFUSING = 1024
 #: Bytes of an unserved client's request read (and dropped) so that closing
 #: does not reset the connection before it read the refusal.
 DRAIN_LIMIT = 64 * 1024
@@ -102,39 +111,59 @@ class WireError(Exception):
 
 
 class LineReader:
-    """Splits bytes into JSON objects, one per line, each at most ``MAX_LINE`` bytes."""
+    """Splits bytes into JSON objects, one per line, each at most ``MAX_LINE`` bytes.
+
+    ``feed`` parses every line at once; ``push`` and ``next`` let a reader take
+    one message at a time and stop, leaving the rest as bytes (a parsed message
+    costs several times its line).
+    """
 
     def __init__(self, limit: int = MAX_LINE) -> None:
         self.limit = limit
         self._buffer = b""
+        #: Where the lines not taken yet start in ``_buffer``.
+        self._start = 0
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        buffer = self._buffer + data
-        *lines, rest = buffer.split(b"\n")
-        if len(rest) > self.limit:
+    def push(self, data: bytes) -> None:
+        """Takes ``data``; an unfinished line already longer than the limit is refused here."""
+        buffer = self._buffer[self._start :] + data if self._start else self._buffer + data
+        self._start = 0
+        if len(buffer) - buffer.rfind(b"\n") - 1 > self.limit:
             self._buffer = b""
             raise WireError(f"a message longer than {self.limit} bytes")
-        self._buffer = rest
+        self._buffer = buffer
+
+    def next(self) -> dict[str, Any] | None:
+        """The next whole message, or None until more bytes come."""
+        end = self._buffer.find(b"\n", self._start)
+        if end < 0:
+            return None
+        line = self._buffer[self._start : end]
+        self._start = end + 1
+        if line == _CONN_LINE:
+            # The line every hand-off carries: no JSON parser for it.
+            return {"op": "conn"}
+        if len(line) > self.limit:
+            raise WireError(f"a message longer than {self.limit} bytes")
+        try:
+            message = json.loads(line)
+        except (UnicodeDecodeError, ValueError):
+            raise WireError("a message that is not JSON") from None
+        if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+            raise WireError('a message that is not a JSON object with an "op"')
+        return message
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self.push(data)
         messages = []
-        for line in lines:
-            if line == _CONN_LINE:
-                # The line every hand-off carries: no JSON parser for it.
-                messages.append({"op": "conn"})
-                continue
-            if len(line) > self.limit:
-                raise WireError(f"a message longer than {self.limit} bytes")
-            try:
-                message = json.loads(line)
-            except (UnicodeDecodeError, ValueError):
-                raise WireError("a message that is not JSON") from None
-            if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-                raise WireError('a message that is not a JSON object with an "op"')
+        while (message := self.next()) is not None:
             messages.append(message)
         return messages
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        """Bytes taken and not yet returned as a message."""
+        return len(self._buffer) - self._start
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -243,6 +272,7 @@ class _Refusal:
         sock.setblocking(False)
         self.timer = dispatcher.clock.callLater(REFUSAL_TIMEOUT, self.close)
         dispatcher.refusing.add(self)
+        dispatcher.refusingByUid[uid] += 1
         dispatcher.reactor.addReader(self)
 
     def fileno(self) -> int:
@@ -321,6 +351,7 @@ class _Refusal:
             self.timer.cancel()
         self.dispatcher.reactor.removeReader(self)
         self.dispatcher.refusing.discard(self)
+        self.dispatcher.refusalEnded(self.uid)
         self.sock.close()
 
     def connectionLost(self, reason: Failure) -> None:
@@ -339,6 +370,12 @@ class Client:
     the socket can take them; a descriptor is closed here the moment the
     kernel has taken it.  Hand-offs queued next to each other leave in one
     message (up to ``FDS_PER_MESSAGE``): their lines and their descriptors.
+
+    While anything waits to be sent, the client is not read (and what was read
+    is not acted on): a client that asks and never reads the answers would
+    otherwise make the dispatcher queue answers without bound, each many times
+    the size of its question.  It is read again once the queue is sent; its
+    close is seen meanwhile as its socket's error on the write side.
     """
 
     def __init__(self, dispatcher: Dispatcher, sock: socket.socket) -> None:
@@ -357,6 +394,8 @@ class Client:
         self.closed = False
         self.closeWhenFlushed = False
         self.writing = False
+        #: Not read until ``outgoing`` is sent.
+        self.paused = False
         self.handedOff = 0
         self.since = time.time()
         self.timer: Any = dispatcher.clock.callLater(dispatcher.speakTimeout, self._silent)
@@ -379,10 +418,10 @@ class Client:
     # ------------------------------------------------------------------ reading
 
     def doRead(self) -> None:
-        if self.closed:
+        if self.closed or self.paused:
             return
         try:
-            data, ancillary, flags, _ = self.sock.recvmsg(65536, _ANCILLARY)
+            data, ancillary, flags, _ = self.sock.recvmsg(READ_SIZE, _ANCILLARY)
         except BlockingIOError:
             return
         except OSError as e:
@@ -398,14 +437,38 @@ class Client:
             self.close()
             return
         try:
-            messages = self.reader.feed(data)
+            self.reader.push(data)
         except WireError as e:
             self.refuse(f"sent {e}")
             return
-        for message in messages:
-            if self.closed or self.closeWhenFlushed:
+        self._process()
+
+    def _process(self) -> None:
+        """Acts on the messages read, in order, until one's answer has to wait for the socket."""
+        while not (self.closed or self.closeWhenFlushed):
+            if self.outgoing:
+                self._pause()
+                return
+            try:
+                message = self.reader.next()
+            except WireError as e:
+                self.refuse(f"sent {e}")
+                return
+            if message is None:
                 return
             self._handle(message)
+
+    def _pause(self) -> None:
+        if not self.paused:
+            self.paused = True
+            self.dispatcher.reactor.removeReader(self)
+        # Draining the queue is what resumes reading; a dead peer shows up there too.
+        self._wantWrite(True)
+
+    def _resume(self) -> None:
+        self.paused = False
+        self.dispatcher.reactor.addReader(self)
+        self._process()
 
     def _handle(self, message: dict[str, Any]) -> None:
         if self.timer is not None:
@@ -506,6 +569,8 @@ class Client:
         self._wantWrite(False)
         if self.closeWhenFlushed and not outgoing:
             self.close()
+        elif self.paused and not self.closed:
+            self._resume()
 
     def _wantWrite(self, want: bool) -> None:
         if want and not self.writing and not self.closed:
@@ -600,6 +665,13 @@ class Dispatcher:
         self.registrations: dict[int, Client] = {}
         self.clients: set[Client] = set()
         self.refusing: set[_Refusal] = set()
+        #: ``refusing`` counted by uid, for ``REFUSING_PER_UID``.
+        self.refusingByUid: Counter[int | None] = Counter()
+        #: Unserved connections closed unanswered (their uid had no slot left), by uid.
+        self.unanswered: Counter[int | None] = Counter()
+        #: Uids at ``REFUSING_PER_UID``, and whether ``MAX_REFUSING`` is reached (said once each).
+        self.uidsAtBound: set[int | None] = set()
+        self.allAtBound = False
         self.ports: list[str] = []
         self.started = time.time()
         self.handedOff = 0
@@ -720,10 +792,36 @@ class Dispatcher:
     def refuse(self, conn: socket.socket, uid: int | None) -> None:
         if uid is not None:
             self.unserved[uid] += 1
-        if len(self.refusing) >= MAX_REFUSING:
-            conn.close()
+        # One log line when a flood reaches a bound, not one per connection.
+        if self.refusingByUid[uid] >= REFUSING_PER_UID:
+            if uid not in self.uidsAtBound:
+                self.uidsAtBound.add(uid)
+                log.warn(
+                    "uid {uid} has {n} connections being refused already; its next ones are closed "
+                    "unanswered until one of those ends",
+                    uid="?" if uid is None else uid, n=REFUSING_PER_UID,
+                )  # fmt: skip
+        elif len(self.refusing) >= MAX_REFUSING:
+            if not self.allAtBound:
+                self.allAtBound = True
+                log.warn("{n} connections are being refused already; more are closed unanswered until one ends", n=MAX_REFUSING)
+        else:
+            _Refusal(self, conn, uid)
             return
-        _Refusal(self, conn, uid)
+        self.unanswered[uid] += 1
+        conn.close()
+
+    def refusalEnded(self, uid: int | None) -> None:
+        """One of ``uid``'s refusals is over (``refusing`` no longer holds it)."""
+        held = self.refusingByUid[uid] - 1
+        if held > 0:
+            self.refusingByUid[uid] = held
+        else:
+            del self.refusingByUid[uid]
+        if held < REFUSING_PER_UID:
+            self.uidsAtBound.discard(uid)
+        if len(self.refusing) < MAX_REFUSING:
+            self.allAtBound = False
 
     # ------------------------------------------------------------------ status
 
@@ -741,6 +839,7 @@ class Dispatcher:
             "registered": [r.__dict__ for r in registered],
             "handedOff": self.handedOff,
             "unserved": {str(uid): n for uid, n in sorted(self.unserved.items())},
+            "unanswered": {str(uid): n for uid, n in sorted(self.unanswered.items(), key=lambda item: str(item[0]))},
             "unknownPeers": self.unknownPeers,
             "closedPeers": self.closedPeers,
             "refusedClients": self.badClients,
@@ -1035,8 +1134,12 @@ def statusText(status: dict[str, Any]) -> str:
             f"for {r.get('registeredFor', 0)}s"
         )
     unserved = status.get("unserved") or {}
+    unanswered = status.get("unanswered") or {}
     if unserved:
-        lines.append("unserved    " + ", ".join(f"uid {u}: {n}" for u, n in unserved.items()))
+        lines.append(
+            "unserved    "
+            + ", ".join(f"uid {u}: {n}" + (f" ({unanswered[u]} closed unanswered)" if unanswered.get(u) else "") for u, n in unserved.items())
+        )
     lines.append(f"unknown     {status.get('unknownPeers', 0)} peers not in the socket table, "
                  f"{status.get('closedPeers', 0)} closed before the check, "
                  f"{status.get('refusedClients', 0)} registration clients refused")  # fmt: skip
