@@ -204,6 +204,10 @@ class ProxyConfig:
     idle_timeout: float = 600.0
     #: The system dispatcher's registration socket; "" never registers (always binds).
     dispatch_socket: str = DISPATCH_SOCKET
+    #: Whether the dispatcher takes a registration of uid 0 (root's service).  Read
+    #: by the dispatcher from the config it loads (the machine's); off, since a
+    #: service of root's would be handed whatever the kernel reports as uid 0.
+    dispatch_root: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -683,6 +687,7 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         header_timeout=_positive(t, "header_timeout", float, 60.0),
         idle_timeout=_positive(t, "idle_timeout", float, 600.0),
         dispatch_socket=dispatch,
+        dispatch_root=t.get("dispatch_root", bool, False),
     )
     t.finish()
     return proxy

@@ -348,6 +348,14 @@ def checkDispatcher(
             f"stop what holds port {port} (`ss -ltnp 'sport = :{port}'`), then restart the dispatcher",
         )  # fmt: skip
     registered = {r.get("uid") for r in status.get("registered") or () if isinstance(r, Mapping)}
+    if me == 0 and me not in registered and status.get("servesRoot") is False:
+        return Check(
+            name, FAIL,
+            f"the dispatcher on {path} serves 127.0.0.1:{port} but does not let uid 0 (root) register: "
+            "proxy.dispatch_root is not true in the machine's config, so root's sandboxes get 503",
+            "set proxy.dispatch_root = true in /etc/agentsandbox/config.toml and restart the dispatcher "
+            "(`systemctl restart agentsandbox-dispatch`), or run agents as another user",
+        )  # fmt: skip
     if me not in registered:
         fix = SERVICE_FIX
         if mode == "direct":

@@ -60,12 +60,18 @@ def parseProcAddress(text: str) -> tuple[IPAddress, int]:
 
 @dataclass(frozen=True)
 class SocketRow:
-    """One row of ``/proc/net/tcp`` or ``tcp6``: the socket's ends, state and owner."""
+    """One row of ``/proc/net/tcp`` or ``tcp6``: the socket's ends, state and owner.
+
+    ``inode`` is the socket's inode, 0 when no process holds the socket any
+    more (a TIME_WAIT row, or a socket its process closed), whose ``uid`` is
+    then no owner's: the kernel prints 0 for a TIME_WAIT row.
+    """
 
     local: tuple[IPAddress, int]
     remote: tuple[IPAddress, int]
     state: str
     uid: int
+    inode: int
 
     @property
     def listening(self) -> bool:
@@ -75,10 +81,10 @@ class SocketRow:
     def parse(cls, line: str) -> SocketRow | None:
         """The row on ``line``; None for the header and for anything malformed."""
         fields = line.split()
-        if len(fields) < 8 or fields[0] == "sl":
+        if len(fields) < 10 or fields[0] == "sl":
             return None
         try:
-            return cls(parseProcAddress(fields[1]), parseProcAddress(fields[2]), fields[3], int(fields[7]))
+            return cls(parseProcAddress(fields[1]), parseProcAddress(fields[2]), fields[3], int(fields[7]), int(fields[9]))
         except ValueError:
             return None
 

@@ -193,8 +193,13 @@ def child(repo: str, *args: str) -> subprocess.Popen[bytes]:
 
 
 def dispatcher(repo: str, port: int, sock: str) -> subprocess.Popen[bytes]:
+    # The registered proxy runs as this user, root's when the benchmark runs as
+    # root, and a dispatcher takes root's registration only when its config says so.
+    config = sock + ".toml"
+    with open(config, "w") as f:
+        f.write("[proxy]\ndispatch_root = true\n")
     return subprocess.Popen(
-        [sys.executable, "-m", "agentsandbox", "dispatch", "--port", str(port), "--socket", sock],
+        [sys.executable, "-m", "agentsandbox", "dispatch", "--port", str(port), "--socket", sock, "--config", config],
         env=dict(os.environ, PYTHONPATH=repo), cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )  # fmt: skip
 

@@ -85,6 +85,11 @@ let
         The dispatcher's registration socket. Unset: `/run/agentsandbox/dispatch.sock`.
         `""` never registers (each service binds the port itself).
       '';
+      dispatch_root = opt types.bool ''
+        Whether the dispatcher takes a registration of uid 0, so that root's own service
+        serves root's sandboxes through the port. Unset: false (root's registration is
+        refused). The dispatcher reads it from this machine's config.
+      '';
     };
     inject = opt (types.listOf (table tomlType {
       hosts = mkOption {

@@ -65,6 +65,18 @@ def test_dispatch_socket_lookup_env_then_config_then_default() -> None:
     assert locateDispatchSocket("", {}) is None
 
 
+def test_config_key_dispatch_root(tmp_path: Path) -> None:
+    paths = Paths.fromEnvironment({"HOME": str(tmp_path)})
+    assert loads(b"", "c.toml", paths).proxy.dispatch_root is False
+    assert loads(b"[proxy]\ndispatch_root = true\n", "c.toml", paths).proxy.dispatch_root is True
+    assert loads(b"[proxy]\ndispatch_root = false\n", "c.toml", paths).proxy.dispatch_root is False
+    for bad, kind in ((b'"yes"', "a string"), (b"1", "an integer")):
+        with pytest.raises(ConfigError, match=rf"c\.toml: proxy\.dispatch_root: must be true or false, not {kind}"):
+            loads(b"[proxy]\ndispatch_root = " + bad + b"\n", "c.toml", paths)
+    with pytest.raises(ConfigError, match=r"proxy\.dispatch_roots: unknown key"):
+        loads(b"[proxy]\ndispatch_roots = true\n", "c.toml", paths)
+
+
 def test_config_key_dispatch_socket(tmp_path: Path) -> None:
     paths = Paths.fromEnvironment({"HOME": str(tmp_path)})
     assert loads(b"", "c.toml", paths).proxy.dispatch_socket == DISPATCH_SOCKET
@@ -139,6 +151,17 @@ def test_bad_port_and_taken_socket(tmp_path: Path) -> None:
     assert out.returncode == 1 and ("not a socket" in out.stderr or "cannot listen" in out.stderr), out.stderr
 
 
+def test_the_dispatcher_reads_its_config_with_or_without_a_port(tmp_path: Path) -> None:
+    """proxy.dispatch_root is the machine's decision: a config that cannot say it
+    stops the dispatcher, whether the port comes from --port, the config or systemd."""
+    bad = tmp_path / "config.toml"
+    bad.write_text('[proxy]\ndispatch_root = "yes"\n')
+    for args in (("--port", "1"), ()):
+        out = _agentsandbox("dispatch", *args, "--socket", str(tmp_path / "d.sock"), "--config", str(bad))
+        assert out.returncode == 2 and "proxy.dispatch_root: must be true or false, not a string" in out.stderr, out.stderr
+        assert not (tmp_path / "d.sock").exists()
+
+
 def _registerAndServeOne(path: str, answer: str) -> subprocess.Popen[str]:
     """A registration (this user) that answers the first connection it is handed."""
     code = (
@@ -158,9 +181,15 @@ def test_socket_activation_adopts_tcp_and_unix_descriptors() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The machine's config, read under socket activation too: the registration
+    # below is this process's, root's when the suite runs as root.
+    config = os.path.join(base, "config.toml")
+    with open(config, "w") as f:
+        f.write("[proxy]\ndispatch_root = true\n")
     # The Unix socket first: the dispatcher sorts by family, not position.
     argv = ["systemd-socket-activate", "-E", f"PYTHONPATH={REPO}",
-            "-l", path, "-l", f"127.0.0.1:{port}", "-l", f"[::1]:{port}", sys.executable, "-m", "agentsandbox", "dispatch"]  # fmt: skip
+            "-l", path, "-l", f"127.0.0.1:{port}", "-l", f"[::1]:{port}",
+            sys.executable, "-m", "agentsandbox", "dispatch", "--config", config]  # fmt: skip
     proc = ServiceProcess(argv, {**os.environ, "PYTHONPATH": str(REPO)}, base)
     hello = HelloServer()
     try:
@@ -176,6 +205,7 @@ def test_socket_activation_adopts_tcp_and_unix_descriptors() -> None:
         assert out.stdout == "hi\n", out
         registered.wait(10)
         assert "dispatching" in proc.output() and "from systemd" in proc.output()
+        assert "uid 0 may register" in proc.output()
     finally:
         hello.close()
         proc.kill()

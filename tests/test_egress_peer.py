@@ -6,7 +6,9 @@ import os
 import pathlib
 import shutil
 import socket
+import struct
 import sys
+import time
 
 import pytest
 from twisted.internet.protocol import Factory
@@ -15,7 +17,15 @@ from twisted.trial.unittest import SkipTest, TestCase
 from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import IPeerChecker
-from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers, SockDiag, SocketTable, ownerOf
+from agentsandbox.egress.peer import (
+    CLOSED,
+    CLOSED_REFUSAL,
+    ProcNetPeers,
+    SameUserPeers,
+    SockDiag,
+    SocketTable,
+    ownerOf,
+)
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from tests.support.egress_fixtures import (
     CURL,
@@ -50,6 +60,136 @@ def test_ownerFromATable(tmp_path: pathlib.Path) -> None:
     assert peers.check(("127.0.0.1", 1), ("127.0.0.1", 0x0C76)) == "no socket of 127.0.0.1:1 in the socket table"
     # a procDir other than /proc never asks netlink
     assert not SameUserPeers(str(tmp_path), 1000).viaNetlink
+
+
+#: A closed client's rows: its socket in TIME_WAIT (the kernel prints uid 0 and
+#: inode 0 for it), an orphaned FIN_WAIT1 one (its uid kept, inode 0), a
+#: half-closed one still held (FIN_WAIT2, inode 7) and a listener.
+CLOSED_TABLE = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:9C40 0100007F:0C76 06 00000000:00000000 03:00001770 00000000     0        0 0 3 0000000000000000
+   1: 0100007F:9C41 0100007F:0C76 04 00000001:00000000 01:00000014 00000000  4242        0 0 2 0000000000000000 20 4 30 10 -1
+   2: 0100007F:9C42 0100007F:0C76 05 00000000:00000000 00:00000000 00000000  4242        0 7 1 0000000000000000 20 4 30 10 -1
+   3: 0100007F:9C43 00000000:0000 0A 00000000:00000000 00:00000000 00000000  4242        0 8 1 0000000000000000 100 0 0 10 0
+"""
+
+
+@pytest.mark.skipif(not LITTLE, reason="little-endian fixture")
+def test_aRowWithInodeZeroIsAClosedClientNotUidZero(tmp_path: pathlib.Path) -> None:
+    """A socket no process holds (inode 0) has no owner: not root's, not its old uid's."""
+    server = ("127.0.0.1", 0x0C76)
+    assert ownerOf([CLOSED_TABLE], ("127.0.0.1", 0x9C40), server) is CLOSED
+    assert ownerOf([CLOSED_TABLE], ("127.0.0.1", 0x9C41), server) is CLOSED
+    assert ownerOf([CLOSED_TABLE], ("127.0.0.1", 0x9C42), server) == 4242
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "tcp").write_text(CLOSED_TABLE)
+    for uid in (0, 4242):
+        peers = ProcNetPeers(str(tmp_path), uid)
+        assert peers.check(("127.0.0.1", 0x9C40), server) == CLOSED_REFUSAL
+        assert peers.check(("127.0.0.1", 0x9C41), server) == CLOSED_REFUSAL
+        assert SameUserPeers(str(tmp_path), uid).check(("127.0.0.1", 0x9C40), server) == CLOSED_REFUSAL
+    assert ProcNetPeers(str(tmp_path), 4242).check(("127.0.0.1", 0x9C42), server) is None
+    # A listener is nobody's client socket.
+    assert ownerOf([CLOSED_TABLE.replace("00000000:0000 0A", "0100007F:0C76 0A")], ("127.0.0.1", 0x9C43), server) is None
+
+
+def _diagAnswer(state: int, uid: int, inode: int) -> bytes:
+    """One sock_diag answer as the kernel writes it: nlmsghdr, then inet_diag_msg."""
+    body = struct.pack("=BBBB48sIIIII", socket.AF_INET, state, 0, 0, b"\0" * 48, 0, 0, 0, uid, inode)
+    return struct.pack("=IHHII", 16 + len(body), 20, 0, 1, 0) + body
+
+
+@pytest.mark.parametrize(
+    ("state", "uid", "inode", "owner"),
+    [
+        (1, 1000, 41470, 1000),  # ESTABLISHED, held
+        (5, 1000, 41470, 1000),  # FIN_WAIT2 after shutdown(SHUT_WR): still held
+        (8, 1000, 41470, 1000),  # CLOSE_WAIT
+        (6, 0, 0, CLOSED),  # TIME_WAIT: the kernel says uid 0
+        (5, 0, 0, CLOSED),  # an orphaned FIN_WAIT2 (a timewait minisock)
+        (4, 1000, 0, CLOSED),  # an orphaned FIN_WAIT1 keeps its uid, not its inode
+        (10, 1000, 41470, None),  # a listener on the client's port: not the client
+        (2, 1000, 41470, None),  # SYN_SENT
+    ],
+)
+def test_aSockDiagAnswerIsReadByStateAndInode(state: int, uid: int, inode: int, owner: object) -> None:
+    answer = _diagAnswer(state, uid, inode)
+    assert SockDiag._answer(answer, 0, len(answer), 20) == owner
+
+
+def _tableState(port: int) -> tuple[str, str] | None:
+    """(state, inode) of the row whose local port is ``port`` in /proc/net/tcp, read raw."""
+    with open("/proc/net/tcp") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 9 and fields[1].endswith(f":{port:04X}") and fields[0] != "sl":
+                return fields[3], fields[9]
+    return None
+
+
+@pytest.mark.parametrize("netlink", [True, False])
+def test_aClientThatClosedIsRefusedAsClosedNotAsUidZero(netlink: bool) -> None:
+    """A real client closes before the lookup: its socket (TIME_WAIT or an orphaned
+    FIN_WAIT2, uid 0 in the kernel's answer) belongs to no one, also not to root."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    mine, theirs = client.getsockname(), server.getsockname()
+    try:
+        table = SocketTable(useNetlink=netlink)
+        assert table.ownerOf(mine, theirs) == os.getuid()
+        # Half-closed, it still reads the answer: a live client, still its owner's.
+        client.shutdown(socket.SHUT_WR)
+        assert table.ownerOf(mine, theirs) == os.getuid()
+        client.close()
+        # Orphaned: FIN_WAIT1 (its uid kept) until the delayed ACK of its FIN,
+        # then a timewait minisock, FIN_WAIT2 (05) or TIME_WAIT (06), uid 0.
+        state = _tableState(mine[1])
+        assert state is not None and state[1] == "0", state
+        assert table.ownerOf(mine, theirs) is CLOSED
+        for _ in range(500):
+            state = _tableState(mine[1])
+            if state is not None and state[0] in ("05", "06"):
+                break
+            time.sleep(0.01)
+        assert state is not None and state[0] in ("05", "06") and state[1] == "0", state
+        assert table.ownerOf(mine, theirs) is CLOSED
+        assert table.ownersOf([(mine, theirs)]) == [CLOSED]
+        assert table.viaNetlink is netlink
+        for uid in (0, os.getuid()):
+            assert SameUserPeers(uid=uid, useNetlink=netlink).check(mine, theirs) == CLOSED_REFUSAL
+        table.close()
+    finally:
+        for s in (client, accepted, server):
+            s.close()
+
+
+def test_aListenerOnAGoneClientsPortIsNotItsOwner() -> None:
+    """Asked for a 4-tuple whose client socket is gone, the kernel answers with a
+    listener on the client's address and port: whoever listens there is not the client."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    mine, theirs = client.getsockname(), server.getsockname()
+    # A reset leaves no TIME_WAIT behind: the port is free at once.
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    squatter = socket.socket()
+    try:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(mine)
+        squatter.listen()
+        table = SocketTable()
+        assert table.viaNetlink
+        assert table.ownerOf(mine, theirs) is None
+        table.close()
+    finally:
+        for s in (squatter, accepted, server):
+            s.close()
 
 
 def test_noSocketTable(tmp_path: pathlib.Path) -> None:
@@ -132,6 +272,34 @@ class OtherUserTests(TestCase):
         # our own uid is served by the same proxy
         out, _, code = await getProcessOutputAndValue(CURL, ("-sS", "--noproxy", "", "-o", "/dev/null", "-w", "%{http_code}", "--proxy", f"http://127.0.0.1:{h.port}", "http://example.com/"), env={"PATH": "/usr/bin:/bin"})
         self.assertEqual(out, b"403")
+
+
+class ClosedClientTests(TestCase):
+    @deferredTest
+    async def test_aClientThatClosedBeforeTheCheckIsNotServed(self) -> None:
+        """The proxy's own same-user check: a request whose client closed before the
+        check is refused as that, never served as uid 0's (the suite's own uid as root)."""
+        echo = await listen(Factory.forProtocol(Echo))
+        self.addCleanup(echo.stopListening)
+        dialer = MappedDialer(reactor)
+        dialer.route("192.0.2.10", 80, echo.getHost().port)
+        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, peers=SameUserPeers())
+        await h.start()
+        self.addCleanup(h.stop)
+        # The reactor does not run between these lines: the proxy accepts the
+        # connection only after the client has closed it.
+        client = socket.create_connection(("127.0.0.1", h.port))
+        client.sendall(b"GET http://echo.example.org/x HTTP/1.1\r\nHost: echo.example.org\r\n\r\n")
+        port = client.getsockname()[1]
+        client.close()
+        state = _tableState(port)
+        self.assertTrue(state is not None and state[1] == "0", state)
+        await waitFor(lambda: any(r["event"] == "peer" for r in h.records()), "the peer refusal record")
+        (rec,) = [r for r in h.records() if r["event"] == "peer"]
+        self.assertEqual(rec["reason"], CLOSED_REFUSAL)
+        self.assertEqual(rec["client"], f"127.0.0.1:{port}")
+        self.assertEqual(dialer.dialled, [])
+        self.assertEqual([r["event"] for r in h.records()], ["peer"])
 
 
 @implementer(IPeerChecker)

@@ -333,6 +333,18 @@ def test_nixos_dispatcher_follows_the_port_and_socket_settings() -> None:
     print("checked: proxy.port and proxy.dispatch_socket move the socket unit's listeners; dispatcher.enable = false drops both units")
 
 
+def test_nixos_dispatch_root_reaches_the_dispatchers_config() -> None:
+    """The dispatcher reads proxy.dispatch_root from /etc/agentsandbox/config.toml: the module writes it there."""
+    result = nixos({"settings": {"proxy": {"dispatch_root": True}}})
+    value = result["etc"]["agentsandbox/config.toml"]["source"]["value"]
+    assert value["proxy"] == {"port": 3190, "dispatch_root": True}
+    assert loaderError(value) is None
+    assert result["failedAssertions"] == [] and result["warnings"] == []
+    unset = nixos({})["etc"]["agentsandbox/config.toml"]["source"]["value"]
+    assert "dispatch_root" not in unset.get("proxy", {})
+    print("checked: settings.proxy.dispatch_root = true is written to /etc/agentsandbox/config.toml and loads; unset, it is left out (the loader's false)")
+
+
 def test_nixos_user_unit_for_every_user_or_the_listed_ones(nixosEval: dict[str, Any]) -> None:
     pkg, coreutils = nixosEval["package"], nixosEval["coreutils"]
     unit = nixosEval["userServices"]["agentsandbox"]
@@ -421,6 +433,7 @@ def test_nixos_dispatcher_without_registration_is_refused() -> None:
         ({"proxy": {"port": "3190"}}, "services.agentsandbox.settings.proxy.port' is not of type `integer between 1 and 65535"),
         ({"proxy": {"port": 0}}, "services.agentsandbox.settings.proxy.port' is not of type `integer between 1 and 65535"),
         ({"sandbox": {"domains": "github.com"}}, "services.agentsandbox.settings.sandbox.domains' is not of type `null or (list of string)"),
+        ({"proxy": {"dispatch_root": "yes"}}, "services.agentsandbox.settings.proxy.dispatch_root' is not of type `null or boolean"),
     ],
 )
 def test_nixos_mistyped_setting_fails_with_the_option_named(settings: dict[str, Any], needle: str) -> None:

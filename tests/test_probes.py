@@ -41,16 +41,19 @@ def test_an_address_that_is_neither_ipv4_nor_ipv6_is_refused() -> None:
 
 
 @pytest.mark.skipif(not LITTLE, reason="little-endian fixture")
-def test_a_row_parses_to_its_ends_state_and_owner() -> None:
+def test_a_row_parses_to_its_ends_state_owner_and_inode() -> None:
     row = SocketRow.parse("   0: 0100007F:0C76 00000000:0000 0A 00000000:00000000 00:00000000 00000000   999        0 1")
     assert row == SocketRow(
-        (ipaddress.ip_address("127.0.0.1"), 0x0C76), (ipaddress.ip_address("0.0.0.0"), 0), "0A", 999
+        (ipaddress.ip_address("127.0.0.1"), 0x0C76), (ipaddress.ip_address("0.0.0.0"), 0), "0A", 999, 1
     )
     assert row.listening
     assert SocketRow.parse(HEADER) is None
     assert SocketRow.parse("   2: short row") is None
     assert SocketRow.parse("   3: 0100007F:0C76 00000000:0000 0A 0:0 00:0 0 nobody 0 1") is None
     assert SocketRow.parse("   4: 01007F:0C76 00000000:0000 0A 0:0 00:0 0 1000 0 1") is None
+    # The inode is the kernel's word for "a process holds this socket": a row without one is not read.
+    assert SocketRow.parse("   5: 0100007F:0C76 00000000:0000 0A 0:0 00:0 0 1000 0") is None
+    assert SocketRow.parse("   6: 0100007F:0C76 00000000:0000 0A 0:0 00:0 0 1000 0 x") is None
 
 
 @pytest.mark.skipif(not LITTLE, reason="little-endian fixture")

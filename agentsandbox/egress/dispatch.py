@@ -56,7 +56,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import DEFAULT_PROXY_PORT
-from agentsandbox.paths import DISPATCH_SOCKET
+from agentsandbox.egress.peer import CLOSED, CLOSED_REFUSAL
+from agentsandbox.paths import DISPATCH_SOCKET, SYSTEM_CONFIG
 
 log = Logger(namespace="agentsandbox.dispatch")
 
@@ -66,12 +67,21 @@ MAX_LINE = 4096
 SPEAK_TIMEOUT = 10.0
 #: Registration-socket clients of one uid that have not registered yet.
 UNREGISTERED_PER_UID = 16
+#: Bytes read from a registration-socket client at a time.  Nothing is read
+#: while its answers wait for its socket, so this (plus one unfinished line)
+#: is what a client that sends and never reads can make the dispatcher hold.
+READ_SIZE = 4 * MAX_LINE
 #: Connections queued for one registration while its socket is full.
 MAX_QUEUED = 1024
 #: Seconds an unserved client gets to send its first byte (and to read the refusal).
 REFUSAL_TIMEOUT = 10.0
-#: Unserved connections being answered at once; past it they are closed at once.
-MAX_REFUSING = 256
+#: Unserved connections of one uid being answered at once; past it that uid's
+#: next ones are closed unanswered, so one user's idle connections cannot take
+#: the slots another user's 503 needs.
+REFUSING_PER_UID = 32
+#: Unserved connections being answered at once, all uids together (a
+#: descriptor and about 1 KiB each); past it they are closed at once.
+MAX_REFUSING = 1024
 #: Bytes of an unserved client's request read (and dropped) so that closing
 #: does not reset the connection before it read the refusal.
 DRAIN_LIMIT = 64 * 1024
@@ -84,6 +94,8 @@ ACCEPT_BATCH = 64
 FDS_PER_MESSAGE = 64
 
 SERVICE_FIX = "`systemctl --user start agentsandbox`, or `agentsandbox serve`"
+#: The machine's config key that lets root's service register.
+ROOT_KEY = "proxy.dispatch_root"
 
 _PEERCRED = struct.Struct("3i")
 #: Room for a few descriptors, so that a client sending some is seen doing it
@@ -99,39 +111,59 @@ class WireError(Exception):
 
 
 class LineReader:
-    """Splits bytes into JSON objects, one per line, each at most ``MAX_LINE`` bytes."""
+    """Splits bytes into JSON objects, one per line, each at most ``MAX_LINE`` bytes.
+
+    ``feed`` parses every line at once; ``push`` and ``next`` let a reader take
+    one message at a time and stop, leaving the rest as bytes (a parsed message
+    costs several times its line).
+    """
 
     def __init__(self, limit: int = MAX_LINE) -> None:
         self.limit = limit
         self._buffer = b""
+        #: Where the lines not taken yet start in ``_buffer``.
+        self._start = 0
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        buffer = self._buffer + data
-        *lines, rest = buffer.split(b"\n")
-        if len(rest) > self.limit:
+    def push(self, data: bytes) -> None:
+        """Takes ``data``; an unfinished line already longer than the limit is refused here."""
+        buffer = self._buffer[self._start :] + data if self._start else self._buffer + data
+        self._start = 0
+        if len(buffer) - buffer.rfind(b"\n") - 1 > self.limit:
             self._buffer = b""
             raise WireError(f"a message longer than {self.limit} bytes")
-        self._buffer = rest
+        self._buffer = buffer
+
+    def next(self) -> dict[str, Any] | None:
+        """The next whole message, or None until more bytes come."""
+        end = self._buffer.find(b"\n", self._start)
+        if end < 0:
+            return None
+        line = self._buffer[self._start : end]
+        self._start = end + 1
+        if line == _CONN_LINE:
+            # The line every hand-off carries: no JSON parser for it.
+            return {"op": "conn"}
+        if len(line) > self.limit:
+            raise WireError(f"a message longer than {self.limit} bytes")
+        try:
+            message = json.loads(line)
+        except (UnicodeDecodeError, ValueError):
+            raise WireError("a message that is not JSON") from None
+        if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+            raise WireError('a message that is not a JSON object with an "op"')
+        return message
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self.push(data)
         messages = []
-        for line in lines:
-            if line == _CONN_LINE:
-                # The line every hand-off carries: no JSON parser for it.
-                messages.append({"op": "conn"})
-                continue
-            if len(line) > self.limit:
-                raise WireError(f"a message longer than {self.limit} bytes")
-            try:
-                message = json.loads(line)
-            except (UnicodeDecodeError, ValueError):
-                raise WireError("a message that is not JSON") from None
-            if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-                raise WireError('a message that is not a JSON object with an "op"')
+        while (message := self.next()) is not None:
             messages.append(message)
         return messages
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        """Bytes taken and not yet returned as a message."""
+        return len(self._buffer) - self._start
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -161,10 +193,23 @@ def _showAddress(address: tuple[str, int]) -> str:
 # --------------------------------------------------------------------------- refusing unserved clients
 
 
-def refusalText(uid: int) -> str:
+def refusalText(uid: int, serveRoot: bool = True) -> str:
+    if uid == 0 and not serveRoot:
+        return (
+            "this dispatcher does not serve uid 0 (root): the machine's config does not set "
+            f"{ROOT_KEY} = true, so no service of root's may register"
+        )
     return (
         f"no agentsandbox service is registered with the dispatcher for uid {uid}: start yours "
         f"with {SERVICE_FIX}, then retry"
+    )
+
+
+def rootRefusal(source: str) -> str:
+    """Why a registration of uid 0 is refused, naming the key and the config that lacks it."""
+    return (
+        f"registered as uid 0 (root), which this dispatcher does not serve: {ROOT_KEY} is not "
+        f"true in {source} (set it and restart the dispatcher to serve root's sandboxes)"
     )
 
 
@@ -227,6 +272,7 @@ class _Refusal:
         sock.setblocking(False)
         self.timer = dispatcher.clock.callLater(REFUSAL_TIMEOUT, self.close)
         dispatcher.refusing.add(self)
+        dispatcher.refusingByUid[uid] += 1
         dispatcher.reactor.addReader(self)
 
     def fileno(self) -> int:
@@ -272,7 +318,11 @@ class _Refusal:
             self.socks = SocksHandler(_RefusingDoor(self))  # type: ignore[arg-type]
             return True
         log.info("uid {uid} has no registered service: HTTP connection answered 503", uid=uid)
-        self.send(errorReply(503, refusalText(self.uid) if self.uid is not None else "no agentsandbox service for this connection"))
+        if self.uid is None:
+            text = "no agentsandbox service for this connection"
+        else:
+            text = refusalText(self.uid, self.dispatcher.serveRoot)
+        self.send(errorReply(503, text))
         self.finish()
         return not self.closed
 
@@ -301,6 +351,7 @@ class _Refusal:
             self.timer.cancel()
         self.dispatcher.reactor.removeReader(self)
         self.dispatcher.refusing.discard(self)
+        self.dispatcher.refusalEnded(self.uid)
         self.sock.close()
 
     def connectionLost(self, reason: Failure) -> None:
@@ -319,6 +370,12 @@ class Client:
     the socket can take them; a descriptor is closed here the moment the
     kernel has taken it.  Hand-offs queued next to each other leave in one
     message (up to ``FDS_PER_MESSAGE``): their lines and their descriptors.
+
+    While anything waits to be sent, the client is not read (and what was read
+    is not acted on): a client that asks and never reads the answers would
+    otherwise make the dispatcher queue answers without bound, each many times
+    the size of its question.  It is read again once the queue is sent; its
+    close is seen meanwhile as its socket's error on the write side.
     """
 
     def __init__(self, dispatcher: Dispatcher, sock: socket.socket) -> None:
@@ -337,6 +394,8 @@ class Client:
         self.closed = False
         self.closeWhenFlushed = False
         self.writing = False
+        #: Not read until ``outgoing`` is sent.
+        self.paused = False
         self.handedOff = 0
         self.since = time.time()
         self.timer: Any = dispatcher.clock.callLater(dispatcher.speakTimeout, self._silent)
@@ -359,10 +418,10 @@ class Client:
     # ------------------------------------------------------------------ reading
 
     def doRead(self) -> None:
-        if self.closed:
+        if self.closed or self.paused:
             return
         try:
-            data, ancillary, flags, _ = self.sock.recvmsg(65536, _ANCILLARY)
+            data, ancillary, flags, _ = self.sock.recvmsg(READ_SIZE, _ANCILLARY)
         except BlockingIOError:
             return
         except OSError as e:
@@ -378,14 +437,38 @@ class Client:
             self.close()
             return
         try:
-            messages = self.reader.feed(data)
+            self.reader.push(data)
         except WireError as e:
             self.refuse(f"sent {e}")
             return
-        for message in messages:
-            if self.closed or self.closeWhenFlushed:
+        self._process()
+
+    def _process(self) -> None:
+        """Acts on the messages read, in order, until one's answer has to wait for the socket."""
+        while not (self.closed or self.closeWhenFlushed):
+            if self.outgoing:
+                self._pause()
+                return
+            try:
+                message = self.reader.next()
+            except WireError as e:
+                self.refuse(f"sent {e}")
+                return
+            if message is None:
                 return
             self._handle(message)
+
+    def _pause(self) -> None:
+        if not self.paused:
+            self.paused = True
+            self.dispatcher.reactor.removeReader(self)
+        # Draining the queue is what resumes reading; a dead peer shows up there too.
+        self._wantWrite(True)
+
+    def _resume(self) -> None:
+        self.paused = False
+        self.dispatcher.reactor.addReader(self)
+        self._process()
 
     def _handle(self, message: dict[str, Any]) -> None:
         if self.timer is not None:
@@ -486,6 +569,8 @@ class Client:
         self._wantWrite(False)
         if self.closeWhenFlushed and not outgoing:
             self.close()
+        elif self.paused and not self.closed:
+            self._resume()
 
     def _wantWrite(self, want: bool) -> None:
         if want and not self.writing and not self.closed:
@@ -558,22 +643,42 @@ class RegistrationFigures:
 class Dispatcher:
     """The registry (uid -> registration) and the decision for each accepted connection."""
 
-    def __init__(self, reactor: Any, owners: Any = None, clock: Any = None, speakTimeout: float = SPEAK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        owners: Any = None,
+        clock: Any = None,
+        speakTimeout: float = SPEAK_TIMEOUT,
+        serveRoot: bool = False,
+        configSource: str = "the dispatcher's config",
+    ) -> None:
         from agentsandbox.egress.peer import SocketTable
 
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
         self.speakTimeout = speakTimeout
+        #: ``proxy.dispatch_root`` of the config at ``configSource``: whether uid 0 may register.
+        self.serveRoot = serveRoot
+        self.configSource = configSource
         #: Who owns client sockets: ``SocketTable.ownersOf([(client, server), ...])``.
         self.owners = owners if owners is not None else SocketTable()
         self.registrations: dict[int, Client] = {}
         self.clients: set[Client] = set()
         self.refusing: set[_Refusal] = set()
+        #: ``refusing`` counted by uid, for ``REFUSING_PER_UID``.
+        self.refusingByUid: Counter[int | None] = Counter()
+        #: Unserved connections closed unanswered (their uid had no slot left), by uid.
+        self.unanswered: Counter[int | None] = Counter()
+        #: Uids at ``REFUSING_PER_UID``, and whether ``MAX_REFUSING`` is reached (said once each).
+        self.uidsAtBound: set[int | None] = set()
+        self.allAtBound = False
         self.ports: list[str] = []
         self.started = time.time()
         self.handedOff = 0
         self.unserved: Counter[int] = Counter()
         self.unknownPeers = 0
+        #: Clients that closed before their socket was looked up (no owner to read).
+        self.closedPeers = 0
         self.badClients = 0
 
     # ------------------------------------------------------------------ registrations
@@ -599,6 +704,11 @@ class Dispatcher:
         self.clients.add(Client(self, sock))
 
     def register(self, client: Client) -> None:
+        if client.uid == 0 and not self.serveRoot:
+            # Off unless the admin says so: root's service would be handed every
+            # connection the kernel reports as uid 0, and its policy is the machine's widest.
+            client.refuse(rootRefusal(self.configSource))
+            return
         old = self.registrations.get(client.uid)
         client.registered = True
         self.registrations[client.uid] = client
@@ -659,6 +769,13 @@ class Dispatcher:
                 log.warn("no socket of {client} in the kernel's socket table; closed", client=_showAddress(client))
                 conn.close()
                 continue
+            if uid is CLOSED:
+                # Its socket has no owner any more (the kernel says uid 0 for
+                # it): handed to anyone, it would be served as that one's.
+                self.closedPeers += 1
+                log.info("{client}: {why}; closed, not handed on", client=_showAddress(client), why=CLOSED_REFUSAL)
+                conn.close()
+                continue
             registration = self.registrations.get(uid)
             if registration is not None and registration.handOff(conn, now=False):
                 self.handedOff += 1
@@ -675,10 +792,36 @@ class Dispatcher:
     def refuse(self, conn: socket.socket, uid: int | None) -> None:
         if uid is not None:
             self.unserved[uid] += 1
-        if len(self.refusing) >= MAX_REFUSING:
-            conn.close()
+        # One log line when a flood reaches a bound, not one per connection.
+        if self.refusingByUid[uid] >= REFUSING_PER_UID:
+            if uid not in self.uidsAtBound:
+                self.uidsAtBound.add(uid)
+                log.warn(
+                    "uid {uid} has {n} connections being refused already; its next ones are closed "
+                    "unanswered until one of those ends",
+                    uid="?" if uid is None else uid, n=REFUSING_PER_UID,
+                )  # fmt: skip
+        elif len(self.refusing) >= MAX_REFUSING:
+            if not self.allAtBound:
+                self.allAtBound = True
+                log.warn("{n} connections are being refused already; more are closed unanswered until one ends", n=MAX_REFUSING)
+        else:
+            _Refusal(self, conn, uid)
             return
-        _Refusal(self, conn, uid)
+        self.unanswered[uid] += 1
+        conn.close()
+
+    def refusalEnded(self, uid: int | None) -> None:
+        """One of ``uid``'s refusals is over (``refusing`` no longer holds it)."""
+        held = self.refusingByUid[uid] - 1
+        if held > 0:
+            self.refusingByUid[uid] = held
+        else:
+            del self.refusingByUid[uid]
+        if held < REFUSING_PER_UID:
+            self.uidsAtBound.discard(uid)
+        if len(self.refusing) < MAX_REFUSING:
+            self.allAtBound = False
 
     # ------------------------------------------------------------------ status
 
@@ -696,8 +839,11 @@ class Dispatcher:
             "registered": [r.__dict__ for r in registered],
             "handedOff": self.handedOff,
             "unserved": {str(uid): n for uid, n in sorted(self.unserved.items())},
+            "unanswered": {str(uid): n for uid, n in sorted(self.unanswered.items(), key=lambda item: str(item[0]))},
             "unknownPeers": self.unknownPeers,
+            "closedPeers": self.closedPeers,
             "refusedClients": self.badClients,
+            "servesRoot": self.serveRoot,
         }
 
     def closeAll(self) -> None:
@@ -787,10 +933,12 @@ class DispatchService(MultiService):
         clock: Any = None,
         speakTimeout: float = SPEAK_TIMEOUT,
         createdSocket: str | None = None,
+        serveRoot: bool = False,
+        configSource: str = "the dispatcher's config",
     ) -> None:
         super().__init__()
         self.reactor = reactor
-        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout)
+        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout, serveRoot, configSource)
         for sock in tcp:
             local = _address(sock.getsockname())
             self.dispatcher.ports.append(_showAddress(local))
@@ -986,9 +1134,14 @@ def statusText(status: dict[str, Any]) -> str:
             f"for {r.get('registeredFor', 0)}s"
         )
     unserved = status.get("unserved") or {}
+    unanswered = status.get("unanswered") or {}
     if unserved:
-        lines.append("unserved    " + ", ".join(f"uid {u}: {n}" for u, n in unserved.items()))
+        lines.append(
+            "unserved    "
+            + ", ".join(f"uid {u}: {n}" + (f" ({unanswered[u]} closed unanswered)" if unanswered.get(u) else "") for u, n in unserved.items())
+        )
     lines.append(f"unknown     {status.get('unknownPeers', 0)} peers not in the socket table, "
+                 f"{status.get('closedPeers', 0)} closed before the check, "
                  f"{status.get('refusedClients', 0)} registration clients refused")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -1003,7 +1156,8 @@ def main(argv: list[str]) -> int:
         "dispatch",
         "The system dispatcher: owns the proxy port for every user of this machine and "
         "hands each connection to its owner's agentsandbox service.  Runs in the foreground "
-        "(systemd: agentsandbox-dispatch.socket).  --config is read for proxy.port only.",
+        "(systemd: agentsandbox-dispatch.socket).  Of the config (--config, else the usual lookup: "
+        "the machine's /etc/agentsandbox/config.toml) it reads proxy.port and proxy.dispatch_root.",
     )
     parser.add_argument("--port", type=int, help=f"the proxy port (default: the config's proxy.port, {DEFAULT_PROXY_PORT})")
     parser.add_argument("--socket", help=f"the registration socket (default: {DISPATCH_SOCKET})")
@@ -1028,18 +1182,29 @@ def main(argv: list[str]) -> int:
 
     port = args.port
     activated = os.environ.get("LISTEN_PID") == str(os.getpid())
-    if port is None and not activated:
-        port = cli.loadConfig("dispatch", args.config).proxy.port
     if port is not None and not 0 < port < 65536:
         print(f"agentsandbox dispatch: --port {port} is not a port from 1 to 65535", file=sys.stderr)
         return 2
     if not args.speak_timeout > 0:
         print("agentsandbox dispatch: --speak-timeout must be positive", file=sys.stderr)
         return 2
-    return _run(port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout)
+    # Read under socket activation too: whether root may register is the
+    # machine's decision, and the sockets systemd passes do not say it.
+    from agentsandbox.config import BUILTIN
+
+    config = cli.loadConfig("dispatch", args.config)
+    if port is None and not activated:
+        port = config.proxy.port
+    source = config.source
+    if source == BUILTIN:
+        source = f"the built-in defaults (no config file was found; the machine's is {SYSTEM_CONFIG})"
+    return _run(
+        port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout,
+        serveRoot=config.proxy.dispatch_root, configSource=source,
+    )  # fmt: skip
 
 
-def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
+def _run(port: int, path: str, activated: bool, speakTimeout: float, serveRoot: bool, configSource: str) -> int:
     from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
@@ -1047,7 +1212,7 @@ def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
     _raiseDescriptorLimit()
     try:
-        service = makeService(reactor, port, path, speakTimeout=speakTimeout)
+        service = makeService(reactor, port, path, speakTimeout=speakTimeout, serveRoot=serveRoot, configSource=configSource)
     except DispatchStartError as e:
         print(f"agentsandbox dispatch: {e}", file=sys.stderr)
         return 1
@@ -1055,8 +1220,9 @@ def _run(port: int, path: str, activated: bool, speakTimeout: float) -> int:
     def start() -> None:
         service.startService()
         log.info(
-            "dispatching {ports} to registered services (registration socket {path})",
+            "dispatching {ports} to registered services (registration socket {path}; uid 0 {root})",
             ports=", ".join(service.dispatcher.ports), path="from systemd" if activated else path,
+            root="may register" if serveRoot else f"may not register: {ROOT_KEY} is not true in {configSource}",
         )  # fmt: skip
 
     reactor.callWhenRunning(start)

@@ -14,13 +14,20 @@ proxy near 300 new connections a second.  So ``SocketTable`` first asks the
 kernel for the one socket through ``sock_diag`` netlink (the same table,
 looked up by its 4-tuple, ~5 us), and reads ``/proc/net/tcp{,6}`` only where
 netlink is unavailable.  Both paths answer from the kernel's socket table; no
-path trusts anything the client says.  The proxy's same-user check
+path trusts anything the client says.
+
+A client that closed before the lookup leaves a socket no process holds: a
+TIME_WAIT (or FIN_WAIT2) minisock, which the kernel reports with uid 0, or an
+orphaned socket that keeps its uid.  Either has inode 0, and that is how both
+paths tell it: such a socket is ``CLOSED``, never an owner, so a closed client
+is refused as that and never read as root's.  The proxy's same-user check
 (``SameUserPeers``) and the system dispatcher (``dispatch.py``, which hands each
 connection to its owner's service) both ask ``SocketTable.ownerOf``.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import ipaddress
 import os
@@ -29,12 +36,66 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import IPeerChecker
 from agentsandbox.egress.rules import IPAddress, unwrapMapped
 from agentsandbox.probes import readTable, socketRows
+
+
+class Closed(enum.Enum):
+    """The client's socket is in the table, but no process holds it any more."""
+
+    CLOSED = "closed"
+
+
+#: A client that closed before its socket was looked up.
+CLOSED: Final = Closed.CLOSED
+
+#: What the socket table says of a client's socket: the uid that holds it,
+#: ``CLOSED``, or None when there is no such socket.
+Owner = int | Closed | None
+
+#: The refusal of a client that closed before the check, for logs and the audit.
+CLOSED_REFUSAL = "the client closed before the check (its socket is held by no process any more)"
+
+# TCP states, as the kernel numbers them (include/net/tcp_states.h).
+_ESTABLISHED, _FIN_WAIT1, _FIN_WAIT2, _TIME_WAIT, _CLOSE_WAIT, _LAST_ACK, _CLOSING = 1, 4, 5, 6, 8, 9, 11
+
+#: The states the client's end of an accepted connection can be in while its
+#: process holds it.  The kernel queues a connection for accept() only once the
+#: client's ACK ended the handshake, so the client is past SYN_SENT: it is
+#: ESTABLISHED; FIN_WAIT1 then FIN_WAIT2 once it shut its sending side down (a
+#: half-close, after which it still reads the answer); CLOSE_WAIT once our end
+#: sent FIN, then LAST_ACK once it shut down too; CLOSING when both ends sent FIN
+#: at once.  SYN_SENT and SYN_RECV are handshakes not finished (a SYN_RECV entry
+#: is a listener's, never a client's), LISTEN is a listener, and TIME_WAIT (like
+#: an orphaned FIN_WAIT2) is a socket closed: a minisock that has no owner.
+LIVE_STATES: Final = frozenset({_ESTABLISHED, _FIN_WAIT1, _FIN_WAIT2, _CLOSE_WAIT, _LAST_ACK, _CLOSING})
+
+#: The same states as ``/proc/net/tcp`` prints them (two hex digits).
+_LIVE_STATE_TEXT: Final = frozenset(f"{state:02X}" for state in LIVE_STATES)
+_TIME_WAIT_TEXT = f"{_TIME_WAIT:02X}"
+
+
+def _owner(state: int, uid: int, inode: int) -> Owner:
+    """The owner of a socket found for a client's 4-tuple, by its state and inode.
+
+    A socket in another state is not the client's: for a lookup by 4-tuple the
+    kernel answers with a *listener* on the client's address and port when the
+    client's own socket is gone (measured on Linux 6.18), and with the owner of
+    that listener.  A client's socket with inode 0 is held by no process: the
+    client closed it (TIME_WAIT and orphaned FIN_WAIT2 minisocks report uid 0;
+    an orphaned FIN_WAIT1, CLOSING or LAST_ACK socket keeps its uid), so its uid
+    says nothing of who is asking.
+    """
+    if state not in LIVE_STATES and state != _TIME_WAIT:
+        return None
+    if inode == 0:
+        return CLOSED
+    return uid
 
 
 def _same(a: tuple[IPAddress, int], b: tuple[str, int]) -> bool:
@@ -47,13 +108,22 @@ def _same(a: tuple[IPAddress, int], b: tuple[str, int]) -> bool:
 
 def ownerOf(
     tables: list[str], client: tuple[str, int], server: tuple[str, int]
-) -> int | None:
-    """The uid owning the client's end of the connection client -> server, or None."""
+) -> Owner:
+    """The uid owning the client's end of the connection client -> server,
+    ``CLOSED`` when no process holds it any more, or None when there is none."""
+    closed = False
     for table in tables:
         for row in socketRows(table):
-            if _same(row.local, client) and _same(row.remote, server):
-                return row.uid
-    return None
+            if not (_same(row.local, client) and _same(row.remote, server)):
+                continue
+            if row.state not in _LIVE_STATE_TEXT and row.state != _TIME_WAIT_TEXT:
+                continue
+            if row.inode == 0:
+                # A live row for the same 4-tuple (a reused port) would be the client's.
+                closed = True
+                continue
+            return row.uid
+    return CLOSED if closed else None
 
 
 _NETLINK_SOCK_DIAG = 4
@@ -62,14 +132,19 @@ _NLMSG_ERROR = 2
 _NLM_F_REQUEST = 1
 _NLMSG_HEADER = struct.Struct("=IHHII")
 # inet_diag_msg: family, state, timer, retrans, sockid (48 bytes), expires,
-# rqueue, wqueue, then the uid we want.
+# rqueue, wqueue, then the uid and the inode we want.
+_STATE_OFFSET = _NLMSG_HEADER.size + 1
 _UID_OFFSET = _NLMSG_HEADER.size + 4 + 48 + 12
 # nlmsghdr, then inet_diag_req_v2: family, protocol, ext, pad, states, and the
 # socket id: ports (network order), addresses (16 bytes each), interface, cookie.
 # Ports go in network order: htons() them into a native-order field.
 _REQUEST = struct.Struct("=IHHIIBBBxIHH16s16sIII")
 _ERRNO = struct.Struct("=i")
-_UID = struct.Struct("=I")
+_UID_INODE = struct.Struct("=II")
+#: The states asked for.  The kernel ignores them for a lookup by 4-tuple
+#: (measured on Linux 6.18: a TIME_WAIT socket is answered to a request for
+#: ESTABLISHED alone), so each answer's state and inode are checked too.
+_STATES = sum(1 << state for state in LIVE_STATES)
 
 
 class SockDiag:
@@ -122,25 +197,27 @@ class SockDiag:
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF
         return seq, _REQUEST.pack(
             _REQUEST.size, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, seq, 0,
-            lpacked[0], socket.IPPROTO_TCP, 0, 0xFFFFFFFF,
+            lpacked[0], socket.IPPROTO_TCP, 0, _STATES,
             socket.htons(local[1]), socket.htons(remote[1]), lpacked[1], rpacked[1], 0, 0xFFFFFFFF, 0xFFFFFFFF,
         )  # fmt: skip
 
     @staticmethod
-    def _answer(reply: bytearray, offset: int, length: int, kind: int) -> int | None:
-        """The uid in one answer message at ``offset``; None for "no such socket"."""
+    def _answer(reply: bytes | bytearray, offset: int, length: int, kind: int) -> Owner:
+        """The owner in one answer message at ``offset``: its uid, ``CLOSED``, or
+        None for "no such socket"."""
         if kind == _NLMSG_ERROR:
             (code,) = _ERRNO.unpack_from(reply, offset + _NLMSG_HEADER.size)
             if -code == errno.ENOENT:
                 return None
             raise OSError(-code, os.strerror(-code))
-        if length < _UID_OFFSET + _UID.size:
+        if length < _UID_OFFSET + _UID_INODE.size:
             raise OSError(errno.EPROTO, f"a sock_diag answer of {length} bytes has no uid")
-        (uid,) = _UID.unpack_from(reply, offset + _UID_OFFSET)
-        return int(uid)
+        uid, inode = _UID_INODE.unpack_from(reply, offset + _UID_OFFSET)
+        return _owner(reply[offset + _STATE_OFFSET], int(uid), int(inode))
 
-    def uidOf(self, local: tuple[str, int], remote: tuple[str, int]) -> int | None:
-        """The uid owning the socket bound to ``local`` connected to ``remote``."""
+    def uidOf(self, local: tuple[str, int], remote: tuple[str, int]) -> Owner:
+        """The uid owning the socket bound to ``local`` connected to ``remote``
+        (``CLOSED`` when no process holds it any more)."""
         request = self._request(local, remote)
         if request is None:
             return None
@@ -153,11 +230,11 @@ class SockDiag:
             if answered == seq:
                 return self._answer(reply, 0, min(got, length), kind)
 
-    def uidsOf(self, pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]]) -> list[int | None]:
+    def uidsOf(self, pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]]) -> list[Owner]:
         """``uidOf`` for each (local, remote) pair, asked in one netlink message per
         ``BATCH`` pairs: the kernel answers each request in turn, matched here by
         sequence number, so one send serves a readiness event's worth of accepts."""
-        answers: list[int | None] = [None] * len(pairs)
+        answers: list[Owner] = [None] * len(pairs)
         reply = self._reply
         for start in range(0, len(pairs), self.BATCH):
             waiting: dict[int, int] = {}
@@ -216,9 +293,10 @@ class SocketTable:
             self._diag.close()
             self._diag = None
 
-    def ownerOf(self, client: tuple[str, int], server: tuple[str, int]) -> int | None:
-        """The uid owning the socket at ``client`` connected to ``server``; None when
-        the table has no such socket.  Raises ``NoSocketTable`` when it cannot tell."""
+    def ownerOf(self, client: tuple[str, int], server: tuple[str, int]) -> Owner:
+        """The uid owning the socket at ``client`` connected to ``server``; ``CLOSED``
+        when the client closed it (no process holds it); None when the table has
+        no such socket.  Raises ``NoSocketTable`` when it cannot tell."""
         if self._diag is not None:
             try:
                 return self._diag.uidOf(client, server)
@@ -227,7 +305,7 @@ class SocketTable:
                 self.close()
         return self._fromFiles(client, server)
 
-    def ownersOf(self, pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]]) -> list[int | None]:
+    def ownersOf(self, pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]]) -> list[Owner]:
         """``ownerOf`` for each (client, server) pair, in one netlink exchange where it can."""
         if self._diag is not None:
             try:
@@ -236,27 +314,32 @@ class SocketTable:
                 self.close()
         return [self._fromFiles(client, server) for client, server in pairs]
 
-    def _fromFiles(self, client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    def _fromFiles(self, client: tuple[str, int], server: tuple[str, int]) -> Owner:
         # A client on an IPv4 address is in tcp; tcp6 holds IPv6 and the
         # IPv4-mapped sockets of dual-stack listeners, so read it only if needed.
         names = ("tcp", "tcp6") if ":" not in client[0] else ("tcp6",)
         found = False
+        closed = False
         for name in names:
             table = readTable(name, self.procDir)
             if table is None:
                 continue
             found = True
-            uid = ownerOf([table], client, server)
-            if uid is not None:
-                return uid
+            owner = ownerOf([table], client, server)
+            if owner is CLOSED:
+                closed = True
+            elif owner is not None:
+                return owner
         if not found:
             raise NoSocketTable(f"no socket table under {self.procDir}/net (the peer check runs on Linux only)")
-        return None
+        return CLOSED if closed else None
 
 
-def _verdict(owner: int | None, uid: int, client: tuple[str, int]) -> str | None:
+def _verdict(owner: Owner, uid: int, client: tuple[str, int]) -> str | None:
     if owner is None:
         return f"no socket of {client[0]}:{client[1]} in the socket table"
+    if owner is CLOSED:
+        return CLOSED_REFUSAL
     if owner != uid:
         return f"its socket belongs to uid {owner}, not {uid}"
     return None

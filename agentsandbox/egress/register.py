@@ -12,7 +12,10 @@ connection it accepted itself.
 
 A lost registration (the dispatcher stopped or restarted) is retried with a
 backoff capped at ``MAX_BACKOFF``; a *replaced* one (another service of this
-user registered since) is not: that one serves from now on.
+user registered since) is not: that one serves from now on.  A *refused* one
+(the dispatcher answered ``error``: root's service where the machine's config
+does not let root register, say) is retried after ``REFUSED_RETRY``, and its
+reason logged once, not once a second.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ log = Logger(namespace="agentsandbox.egress")
 #: First and longest wait before registering again after a loss.
 FIRST_BACKOFF = 0.05
 MAX_BACKOFF = 1.0
+#: Wait before registering again after the dispatcher refused this service:
+#: what refused it (the machine's config) changes by an admin's hand, not in a second.
+REFUSED_RETRY = 30.0
 
 CONNECTING = "connecting"
 REGISTERED = "registered"
@@ -93,7 +99,7 @@ class _RegistrationProtocol(Protocol):
             elif op == "replaced":
                 self.owner.replaced()
             elif op == "error":
-                log.error("the dispatcher refused this service: {why}", why=str(message.get("error"))[:300])
+                self.owner.refused(str(message.get("error"))[:300])
         # Descriptors arrive with the first byte of their message, so a message
         # cut short leaves at most one message's worth waiting for their lines;
         # more than that is the dispatcher's mistake, and not adopted.
@@ -148,6 +154,9 @@ class DispatchRegistration(Service):
         self.adopted = 0
         self.registrations = 0
         self.lastError: str | None = None
+        #: The dispatcher's last refusal of this service, said once however often it repeats.
+        self.refusal: str | None = None
+        self._refusedNow = False
         self._backoff = FIRST_BACKOFF
         self._retry: Any = None
         self._connector: Any = None
@@ -181,6 +190,7 @@ class DispatchRegistration(Service):
         self.registrations += 1
         self._backoff = FIRST_BACKOFF
         self.lastError = None
+        self.refusal = None
         uid = message.get("uid")
         self.uid = uid if isinstance(uid, int) else None
         ports = message.get("ports")
@@ -205,9 +215,23 @@ class DispatchRegistration(Service):
             path=self.path,
         )
 
+    def refused(self, why: str) -> None:
+        """The dispatcher refused this service (and closes the connection)."""
+        if why != self.refusal:
+            log.error("the dispatcher refused this service: {why}", why=why)
+        self.refusal = why
+        self._refusedNow = True
+
     def lost(self, reason: Failure) -> None:
         self._connector = None
         if not self.running or self.state in (REPLACED, STOPPED):
+            return
+        if self._refusedNow:
+            # Said already; asking again at once would be refused the same way.
+            self._refusedNow = False
+            self.lastError = self.refusal
+            self.state = CONNECTING
+            self._retry = self.clock.callLater(REFUSED_RETRY, self._connect)
             return
         why = reason.getErrorMessage() if reason is not None else "closed"
         if self.state == REGISTERED:

@@ -43,6 +43,10 @@ class UnixUser:
         return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", *command]
 
 
+#: The superuser, as a ``UnixUser`` for a world where root runs a service too.
+ROOT = UnixUser("root", 0, 0)
+
+
 def usersAvailable() -> str | None:
     """Why real users cannot be made here, or None."""
     if os.geteuid() != 0:
@@ -83,8 +87,10 @@ def freePort() -> int:
 class DispatchWorld:
     """A dispatcher (as nobody) and per-user services, all under ``base``."""
 
-    def __init__(self, base: str, speakTimeout: float = 1.0) -> None:
+    def __init__(self, base: str, speakTimeout: float = 1.0, serveRoot: bool = False) -> None:
         self.base = base
+        #: The dispatcher's ``proxy.dispatch_root``: whether root's service may register.
+        self.serveRoot = serveRoot
         self.port = freePort()
         self.socketDir = os.path.join(base, "dispatch")
         os.makedirs(self.socketDir)
@@ -98,9 +104,17 @@ class DispatchWorld:
 
     # ------------------------------------------------------------------ the dispatcher
 
+    def dispatcherConfig(self) -> str:
+        """The dispatcher's own config (the machine's, on a real one), readable by nobody."""
+        path = os.path.join(self.base, "dispatcher.toml")
+        with open(path, "w") as f:
+            f.write(f"[proxy]\nport = {self.port}\n" + ("dispatch_root = true\n" if self.serveRoot else ""))
+        os.chmod(path, 0o644)
+        return path
+
     def startDispatcher(self) -> ServiceProcess:
         argv = [
-            *NOBODY, sys.executable, "-m", "agentsandbox", "dispatch",
+            *NOBODY, sys.executable, "-m", "agentsandbox", "dispatch", "--config", self.dispatcherConfig(),
             "--port", str(self.port), "--socket", self.socket, "--speak-timeout", str(self.speakTimeout),
         ]  # fmt: skip
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "LANG": "C.UTF-8", "HOME": "/"}
@@ -133,13 +147,14 @@ class DispatchWorld:
         os.chown(dirs.base, user.uid, user.gid)
         self.configs[user.name] = path
 
-    def startService(self, user: UnixUser) -> ServiceProcess:
+    def startService(self, user: UnixUser, registers: bool = True) -> ServiceProcess:
         dirs = self.dirs[user.name]
         env = dirs.env(extra={"AGENTSANDBOX_DISPATCH_SOCKET": self.socket})
         argv = user.argv(sys.executable, "-m", "agentsandbox", "serve", "--config", self.configs[user.name])
         service = ServiceProcess(argv, env, dirs.base, tempfile.mktemp(prefix="service-", suffix=".log", dir=self.base))
         self.services[user.name] = service
-        service.waitFor(REGISTERED, 60, f"{user.name}'s service to register")
+        if registers:
+            service.waitFor(REGISTERED, 60, f"{user.name}'s service to register")
         return service
 
     def audit(self, user: UnixUser) -> list[dict[str, object]]:
