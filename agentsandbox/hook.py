@@ -347,7 +347,44 @@ def decide(event: Any, environ: Mapping[str, str]) -> str | None:
     except _Empty as e:
         raise Refusal(f"agentsandbox refused this {tool} call: {e} is empty") from None
     shown = _shown(tool, toolInput, cwd)
-    return decideReadings(policy, source, readings, shown, cwd, "read" if kind == tools.READS else "write")
+    why = decideReadings(policy, source, readings, shown, cwd, "read" if kind == tools.READS else "write")
+    if why is None:
+        why = _touchedDefinitions(policy, source, tool, readings, cwd)
+    return why
+
+
+def _touchedDefinitions(policy: Policy, source: str, tool: str, readings: list[Reading], cwd: str) -> str | None:
+    """A nested ``.claude`` on the way from the cwd to a path, holding a definition that leads to a closed file.
+
+    Claude Code 2.1.197 discovers ``sub/.claude/skills`` once a file tool
+    touched ``sub/``, and lists each skill with a line of its SKILL.md at the
+    next turn, before any hook can refuse (docs/hook.md): so the call that
+    would make it discover one is refused, naming the link.  Only directories
+    strictly below the cwd are looked at (one ``lstat`` each); the cwd's own
+    ``.claude`` is Claude Code's to protect.
+    """
+    prefix = cwd.rstrip("/") + "/"
+    budget = [_SKILL_ENTRIES]
+    for reading in readings:
+        if reading.physical or not reading.path.startswith(prefix):
+            continue
+        here = os.path.dirname(reading.path)
+        while here.startswith(prefix) and len(here) > len(cwd):
+            base = here + "/.claude"
+            if os.path.lexists(base):
+                try:
+                    files = _definitionFiles(base, budget)
+                except Refusal:
+                    return f"agentsandbox refused {tool}: {base} holds too many files to check."
+                for candidate in files:
+                    why = decideReadings(policy, source, _both(candidate, cwd, policy.home), candidate, cwd, "read")
+                    if why is not None:
+                        return (
+                            f"{why} ({tool} would make Claude Code discover {base}, whose skills it lists "
+                            f"to the model with a line of each; remove the link.)"
+                        )
+            here = os.path.dirname(here)
+    return None
 
 
 def _inSource(source: str) -> str:

@@ -281,3 +281,22 @@ def test_sessionstart_warns_of_a_definition_that_leads_to_a_closed_file(home: Us
     said = json.loads(start())["systemMessage"]
     assert "WARNING" in said and str(skill / "SKILL.md") in said and home.h("Documents/notes.txt") in said
     assert "MARKER" not in said
+
+
+def test_touching_a_directory_with_a_planted_skill_link_is_refused(home: User) -> None:
+    """2.1.197 lists a nested skill, a line of its SKILL.md, once a file tool touched its directory."""
+    project = home.home / "projects/repo"
+    (project / "sub/deeper").mkdir(parents=True)
+    (project / "sub/deeper/x.txt").write_text("x\n")
+    (project / "other").mkdir()
+    assert decision(home, "Read", file_path=str(project / "sub/deeper/x.txt")) is None
+    skill = project / "sub/.claude/skills/roadmap"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").symlink_to(home.home / "Documents/notes.txt")
+    for tool, field in (("Read", "file_path"), ("Write", "file_path"), ("Edit", "file_path")):
+        text = decision(home, tool, **{field: str(project / "sub/deeper/x.txt"), "content": "y"})
+        assert text is not None and str(skill / "SKILL.md") in text and "discover" in text, tool
+    assert decision(home, "Read", file_path="sub/x.txt") is not None
+    # Elsewhere in the project, and the cwd's own files, are not the planted directory's.
+    assert decision(home, "Read", file_path=str(project / "other/y")) is None
+    assert decision(home, "Write", file_path="top.txt", content="x") is None
