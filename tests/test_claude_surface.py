@@ -33,7 +33,6 @@ import pytest
 from tests.support.claude_harness import (
     CANARY_DOCUMENTS,
     MANAGED_ROOT,
-    PINNED_VERSION,
     PROJECT_TEXT,
     ClaudeBinary,
     ClaudeRun,
@@ -362,7 +361,8 @@ LISTING_REASON = (
 )
 PLANT_REASON = (
     "issue 23's Build asks the drop-in's sandbox to deny Bash writes to nested "
-    ".claude/{skills,commands,agents} and settings*.json; the drop-in renders no such rule, and "
+    ".claude/{skills,commands,agents} and settings*.json; Claude Code's Linux sandbox skips glob "
+    "write rules ('Skipping glob write pattern on Linux'), so the drop-in cannot say it, and "
     "Claude Code protects only the cwd's own .claude"
 )
 
@@ -392,10 +392,14 @@ def test_skill_linked_to_a_closed_file_is_refused(claude: ClaudeBinary, world: W
                                                   managed: dict[str, Any]) -> None:
     """Issue 23, 3: SKILL.md links to ~/Documents/notes.txt, in the project's and a nested .claude.
 
-    Both releases: our hook refuses ``Skill notes`` and ``Skill roadmap``
-    (naming the link and its target), and the notes reach the API nowhere but
-    the skill listing (which the xfail tests below hold).  Control: the
-    project's own ``build`` skill loads and its body reaches the model.
+    Both releases: our hook refuses ``Skill notes`` (naming the link and its
+    target), refuses the Read that would make 2.1.197 discover the nested
+    ``sub/.claude`` (naming that link), and ``Skill roadmap`` is refused (by our
+    hook, or as unknown where the refused Read kept Claude Code from discovering
+    it); while a link to a closed file is there, every skill is refused, the
+    project's own ``build`` too.  The notes reach the API nowhere but the skill
+    listing (which the xfail tests below hold).  Control: once the links are
+    removed, ``build`` loads and its body reaches the model.
     """
     project = _project(world, claude, "skill")
     notes = world.documents / "notes.txt"
@@ -411,12 +415,19 @@ def test_skill_linked_to_a_closed_file_is_refused(claude: ClaudeBinary, world: W
         ToolCall("Skill", {"skill": "build"}),
     ]
     run = play(claude, world, api, calls, cwd=project)
-    top, _, _, nested, build = run.outcomes
+    top, touch, _, nested, build = run.outcomes
     assertOurHook(top, run, str(project / ".claude/skills/notes/SKILL.md"), str(notes))
-    assertOurHook(nested, run, str(project / "sub/.claude/skills/roadmap/SKILL.md"), str(notes))
-    assertWorked(build, run)
-    assert run.requestsHolding(SKILL_BODY), f"the build skill's body never reached the model\n{run.describe()}"
+    assertOurHook(touch, run, str(project / "sub/.claude/skills/roadmap/SKILL.md"), str(notes))
+    assert nested.isError, run.describe()
+    assert "agentsandbox refused" in nested.text or "Unknown skill: roadmap" in nested.text, run.describe()
+    assertOurHook(build, run, str(notes), "remove the link")
     assertNoLeak(run, world, excused=_listed("notes", "roadmap"))
+    for link in (project / ".claude/skills/notes", project / "sub/.claude/skills/roadmap"):
+        shutil.rmtree(link)
+    again = play(claude, world, api, [ToolCall("Skill", {"skill": "build"})], cwd=project)
+    assertWorked(again.outcomes[0], again)
+    assert again.requestsHolding(SKILL_BODY), f"the build skill's body never reached the model\n{again.describe()}"
+    assertNoLeak(again, world)
 
 
 @pytest.mark.claude
@@ -446,15 +457,13 @@ def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBina
     """The issue's own path: sandboxed Bash plants the link in ``sub/.claude/skills/roadmap``.
 
     Both releases: the plant succeeds (xfail: the issue asks the sandbox to
-    deny it), our hook refuses ``Skill roadmap``.  2.1.197 discovers the
-    nested skill once Read touched ``sub/`` and lists it with the notes as its
-    description at the next turn (xfail); 2.1.335 does not list it mid-session.
+    deny it, which Claude Code's Linux sandbox cannot: it skips glob write
+    rules), our hook refuses the Read of ``sub/x.txt`` that would make 2.1.197
+    discover the nested skill and list it with the notes as its description at
+    the next turn, and ``Skill roadmap`` is refused.  2.1.335 does not list it
+    mid-session.
     """
-    if claude.version == PINNED_VERSION:
-        request.applymarker(pytest.mark.xfail(raises=(SkillListingLeak, NestedSkillPlanted), strict=True,
-                                              reason=f"{LISTING_REASON}; and {PLANT_REASON}"))
-    else:
-        request.applymarker(pytest.mark.xfail(raises=NestedSkillPlanted, strict=True, reason=PLANT_REASON))
+    request.applymarker(pytest.mark.xfail(raises=NestedSkillPlanted, strict=True, reason=PLANT_REASON))
     project = _project(world, claude, "plant")
     (project / "sub").mkdir()
     (project / "sub" / "x.txt").write_text("x\n")
@@ -468,11 +477,13 @@ def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBina
     ]
     run = play(claude, world, api, calls, cwd=project)
     planted = os.path.islink(project / "sub/.claude/skills/roadmap/SKILL.md")
-    skill = run.outcomes[-1]
+    touch, skill = run.outcomes[1], run.outcomes[-1]
+    assert skill.isError, run.describe()
     if planted:
-        assertOurHook(skill, run, str(world.documents / "notes.txt"))
-    else:
-        assert skill.isError, run.describe()
+        # The Read that would make 2.1.197 discover sub/.claude is refused, so
+        # Claude Code may not know the skill at all: refused either way.
+        assertOurHook(touch, run, str(world.documents / "notes.txt"))
+        assert "agentsandbox refused" in skill.text or "Unknown skill: roadmap" in skill.text, run.describe()
     assertNoLeak(run, world, excused=_listed("roadmap"))
     listed = run.requestsHolding(CANARY_DOCUMENTS)
     if listed:
