@@ -31,7 +31,7 @@ from agentsandbox.hookjson import asciiString, loads
 TYPE_CHECKING = False
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterator, Mapping
     from typing import IO, Any
 
     from agentsandbox.policy import Policy
@@ -596,15 +596,14 @@ _SKILL_DEPTH = 8
 _SKILL_ENTRIES = 50000
 
 
-def _nestedClaudeDirs(cwd: str) -> list[str]:
-    """Every ``.claude`` directory below ``cwd`` (links not followed; .git and node_modules skipped).
+def _walk(root: str, budget: list[int], prune: tuple[str, ...]) -> Iterator[tuple[str, str, bool]]:
+    """(path, name, is a directory) of each entry below ``root``, links not followed.
 
-    Claude Code discovers a nested ``sub/.claude/skills`` once a file tool
-    touched ``sub/``, and any later session started in ``sub`` loads it.
+    Directories named in ``prune`` are not entered, nor any deeper than
+    ``_SKILL_DEPTH``; past ``budget[0]`` entries (shared by one decision's
+    walks) the decision is refused rather than guessed.
     """
-    found: list[str] = []
-    seen = 0
-    todo = [(cwd, 0)]
+    todo = [(root, 0)]
     while todo:
         here, depth = todo.pop()
         try:
@@ -612,20 +611,26 @@ def _nestedClaudeDirs(cwd: str) -> list[str]:
         except OSError:
             continue
         for entry in entries:
-            seen += 1
-            if seen > _SKILL_ENTRIES:
-                raise Refusal(f"the tree below {cwd} has more than {_SKILL_ENTRIES} entries to search")
-            if entry.name in (".git", "node_modules"):
-                continue
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise Refusal(f"there are more than {_SKILL_ENTRIES} entries below {root} to check")
             try:
                 isDir = entry.is_dir(follow_symlinks=False)
             except OSError:
-                continue
-            if entry.name == ".claude":
-                found.append(entry.path)
-            elif isDir and depth < _SKILL_DEPTH:
+                isDir = False
+            yield entry.path, entry.name, isDir
+            if isDir and depth < _SKILL_DEPTH and entry.name not in prune:
                 todo.append((entry.path, depth + 1))
-    return found
+
+
+def _nestedClaudeDirs(cwd: str, budget: list[int]) -> list[str]:
+    """Every ``.claude`` directory below ``cwd`` (.git and node_modules skipped).
+
+    Claude Code discovers a nested ``sub/.claude/skills`` once a file tool
+    touched ``sub/``, and any later session started in ``sub`` loads it.
+    """
+    prune = (".git", "node_modules", ".claude")
+    return [path for path, name, _ in _walk(cwd, budget, prune) if name == ".claude"]
 
 
 #: What a ``.claude`` directory holds that Claude Code loads into the conversation by name:
@@ -636,28 +641,12 @@ _DEFINITIONS = ("skills", "commands", "agents")
 
 def _definitionFiles(base: str, budget: list[int]) -> list[str]:
     """Every file below ``base``'s skills, commands and agents, links included (not followed)."""
-    found: list[str] = []
-    for kind in _DEFINITIONS:
-        todo = [(os.path.join(base, kind), 0)]
-        while todo:
-            here, depth = todo.pop()
-            try:
-                entries = list(os.scandir(here))
-            except OSError:
-                continue
-            for entry in entries:
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise Refusal(f"there are more than {_SKILL_ENTRIES} entries to check")
-                try:
-                    isDir = entry.is_dir(follow_symlinks=False)
-                except OSError:
-                    isDir = False
-                if isDir and depth < _SKILL_DEPTH:
-                    todo.append((entry.path, depth + 1))
-                elif not isDir:
-                    found.append(entry.path)
-    return found
+    return [
+        path
+        for kind in _DEFINITIONS
+        for path, _, isDir in _walk(os.path.join(base, kind), budget, ())
+        if not isDir
+    ]
 
 
 def _skill(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any], cwd: str) -> str | None:
@@ -709,7 +698,7 @@ def closedDefinition(policy: Policy, source: str, cwd: str) -> str | None:
             break
         here = parent
     budget = [_SKILL_ENTRIES]
-    bases += _nestedClaudeDirs(cwd)
+    bases += _nestedClaudeDirs(cwd, budget)
     for base in dict.fromkeys(bases):
         for candidate in _definitionFiles(base, budget):
             why = decideReadings(policy, source, _both(candidate, cwd, policy.home), candidate, cwd, "read")

@@ -300,3 +300,14 @@ def test_touching_a_directory_with_a_planted_skill_link_is_refused(home: User) -
     # Elsewhere in the project, and the cwd's own files, are not the planted directory's.
     assert decision(home, "Read", file_path=str(project / "other/y")) is None
     assert decision(home, "Write", file_path="top.txt", content="x") is None
+
+
+def test_a_tree_too_large_to_check_refuses_skill_and_agent(home: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the entry budget the hook refuses rather than guess what it did not read."""
+    monkeypatch.setattr(hook, "_SKILL_ENTRIES", 10)
+    for i in range(20):
+        (home.home / f"projects/repo/f{i}").write_text("x")
+    text = decision(home, "Skill", skill="build")
+    assert text is not None and "more than 10 entries" in text and "smaller directory" in text
+    assert decision(home, "Agent", prompt="p", description="d", subagent_type="reviewer") is not None
+    assert decision(home, "Read", file_path="f1") is None, "a file tool walks nothing below the cwd"
