@@ -484,6 +484,35 @@ def _unknown(policy: Policy, source: str, tool: str, toolInput: Mapping[str, Any
     return None
 
 
+#: How long the hook waits for a name to resolve: Claude Code 2.1.197 runs a tool whose
+#: hook timed out (its limit is the drop-in's 10 s), so a slow resolver must not outlast it.
+_RESOLVE_SECONDS = 4.0
+
+
+def _boundedGetaddrinfo(*args: Any) -> Any:
+    """``socket.getaddrinfo`` that gives up after ``_RESOLVE_SECONDS`` (an OSError: the name is refused)."""
+    import socket
+    import threading
+
+    answer: list[Any] = []
+    failure: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            answer.append(socket.getaddrinfo(*args))
+        except BaseException as e:
+            failure.append(e)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(_RESOLVE_SECONDS)
+    if answer:
+        return answer[0]
+    if failure:
+        raise failure[0]
+    raise OSError(f"no answer within {_RESOLVE_SECONDS:g} s")
+
+
 def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | None:
     """Why ``url`` may not be reached, decided as the proxy decides a connection; None when it may."""
     from urllib.parse import urlsplit
@@ -509,7 +538,7 @@ def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | Non
         allow = AllowList.parse(policy.domains)
     except EntryError as e:
         return f"URL {_quoted(url)} cannot be decided: {e}."
-    ok, lines = decideResolved(allow, host, port)
+    ok, lines = decideResolved(allow, host, port, _boundedGetaddrinfo)
     if ok:
         return None
     return f"URL {_quoted(url)} is refused{_inSource(source)}: " + "; ".join(

@@ -311,3 +311,31 @@ def test_a_tree_too_large_to_check_refuses_skill_and_agent(home: User, monkeypat
     assert text is not None and "more than 10 entries" in text and "smaller directory" in text
     assert decision(home, "Agent", prompt="p", description="d", subagent_type="reviewer") is not None
     assert decision(home, "Read", file_path="f1") is None, "a file tool walks nothing below the cwd"
+
+
+def test_a_name_that_does_not_resolve_in_time_is_refused(home: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2.1.197 runs a tool whose hook timed out: the hook gives up on a slow resolver first."""
+    import socket
+    import threading
+
+    release = threading.Event()
+
+    def hangs(*args: object, **kw: object) -> object:
+        release.wait(30)
+        raise OSError("released")
+
+    # A deadline of 0: the hanging lookup is given up at once, nothing waits on the wall clock.
+    monkeypatch.setattr(hook, "_RESOLVE_SECONDS", 0)
+    monkeypatch.setattr(socket, "getaddrinfo", hangs)
+    try:
+        text = decision(home, "WebFetch", url="https://github.com/", prompt="p")
+    finally:
+        release.set()
+    assert text is not None and "no answer within 0 s" in text and "github.com" in text
+
+    def public(*args: object, **kw: object) -> object:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 443))]
+
+    monkeypatch.setattr(hook, "_RESOLVE_SECONDS", 30)
+    monkeypatch.setattr(socket, "getaddrinfo", public)
+    assert decision(home, "WebFetch", url="https://github.com/", prompt="p") is None
