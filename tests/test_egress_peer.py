@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import shutil
@@ -166,29 +167,48 @@ def test_aClientThatClosedIsRefusedAsClosedNotAsUidZero(netlink: bool) -> None:
             s.close()
 
 
+def _squatGoneClientsPort() -> tuple[socket.socket, tuple[str, int], tuple[str, int], list[socket.socket]]:
+    """A listener bound to the address and port of a client that was just reset.
+
+    Another process may take the freed ephemeral port first (the suite runs
+    beside other tests): then a new client is made, a few times at most.
+    """
+    for _ in range(20):
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        mine, theirs = client.getsockname(), server.getsockname()
+        # A reset leaves no TIME_WAIT behind: the port is free at once.
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(mine)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            for s in (squatter, accepted, server):
+                s.close()
+            continue
+        squatter.listen()
+        return squatter, mine, theirs, [accepted, server]
+    raise AssertionError("the gone client's port was taken every time")
+
+
 def test_aListenerOnAGoneClientsPortIsNotItsOwner() -> None:
     """Asked for a 4-tuple whose client socket is gone, the kernel answers with a
     listener on the client's address and port: whoever listens there is not the client."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    client = socket.create_connection(server.getsockname())
-    accepted, _ = server.accept()
-    mine, theirs = client.getsockname(), server.getsockname()
-    # A reset leaves no TIME_WAIT behind: the port is free at once.
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    client.close()
-    squatter = socket.socket()
+    squatter, mine, theirs, others = _squatGoneClientsPort()
     try:
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(mine)
-        squatter.listen()
         table = SocketTable()
         assert table.viaNetlink
         assert table.ownerOf(mine, theirs) is None
         table.close()
     finally:
-        for s in (squatter, accepted, server):
+        for s in (squatter, *others):
             s.close()
 
 
