@@ -14,6 +14,7 @@ import pytest
 from agentsandbox.config import Config, loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
+from tests.support.claude_harness import ClaudeBinary, installedBinaries
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,3 +109,12 @@ def user(tmp_path: Path) -> User:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
     }
     return User(base=base, home=home, runtime=runtime, tmp=tmp, env=env)
+
+
+@pytest.fixture(params=["pinned", "latest"])
+def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
+    """The Claude Code binary under test (pinned, then the newest); skips with the reason when unusable."""
+    binary = installedBinaries()[request.param]
+    binary.require()
+    return binary
+

@@ -16,7 +16,6 @@ everywhere, and our hook's reason only where our hook is the layer.
 
 from __future__ import annotations
 
-import functools
 import http.client
 import json
 import shutil
@@ -38,10 +37,9 @@ from tests.support.claude_harness import (
     World,
     freeLoopbackPort,
     getSettings,
-    latestClaude,
     missingFrom,
     mockAPI,
-    pinnedClaude,
+    requireSomeBinary,
     runClaude,
     tempLeftoversRemoved,
     withoutKeys,
@@ -58,17 +56,6 @@ from tests.support.mock_messages import (
 DROP_IN = MANAGED_ROOT / "managed-settings.d" / "50-agentsandbox.json"
 
 
-@functools.cache
-def _binaries() -> dict[str, ClaudeBinary]:
-    return {"pinned": pinnedClaude(), "latest": latestClaude()}
-
-
-@pytest.fixture(params=["pinned", "latest"])
-def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
-    """The Claude Code binary under test; skips with the reason when it is unusable."""
-    binary = _binaries()[request.param]
-    binary.require()
-    return binary
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +80,7 @@ def managed(world: World) -> Iterator[dict[str, Any]]:
     """The rendered drop-in, installed in an otherwise empty /etc/claude-code."""
     # Module fixtures come before the per-test binary: skip here, before /etc
     # is touched, when no binary can run or this is not root.
-    usable = [b for b in _binaries().values() if b.problem is None]
-    (usable[0] if usable else _binaries()["pinned"]).require()
+    requireSomeBinary()
     with ManagedSettingsGuard(), tempLeftoversRemoved():
         world.agentsandbox("install", "--managed-dir", str(MANAGED_ROOT), "--config", str(world.config))
         rendered = json.loads(world.agentsandbox("render", "claude", "--config", str(world.config)).stdout)

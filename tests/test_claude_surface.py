@@ -16,7 +16,6 @@ assertion stays and is marked xfail with what would stop it.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -41,9 +40,8 @@ from tests.support.claude_harness import (
     World,
     freeLoopbackPort,
     gitCheckout,
-    latestClaude,
     mockAPI,
-    pinnedClaude,
+    requireSomeBinary,
     runClaude,
     tempLeftoversRemoved,
 )
@@ -62,17 +60,6 @@ SKILL_BODY = "agentsandbox e2e skill body: build-7d21"
 MONITOR_FLAG = "tengu_amber_sentinel"
 
 
-@functools.cache
-def _binaries() -> dict[str, ClaudeBinary]:
-    return {"pinned": pinnedClaude(), "latest": latestClaude()}
-
-
-@pytest.fixture(params=["pinned", "latest"])
-def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
-    """The Claude Code binary under test; skips with the reason when it is unusable."""
-    binary = _binaries()[request.param]
-    binary.require()
-    return binary
 
 
 class Listener:
@@ -141,8 +128,7 @@ def api() -> Iterator[MockMessagesAPI]:
 @pytest.fixture(scope="module")
 def managed(world: World) -> Iterator[dict[str, Any]]:
     """The rendered drop-in, installed in an otherwise empty /etc/claude-code."""
-    usable = [b for b in _binaries().values() if b.problem is None]
-    (usable[0] if usable else _binaries()["pinned"]).require()
+    requireSomeBinary()
     with ManagedSettingsGuard(), tempLeftoversRemoved():
         installed = _install(world, world.config)
         yield installed

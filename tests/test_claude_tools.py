@@ -8,26 +8,11 @@ API, deferred tools loaded through ToolSearch and optional ones included.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from agentsandbox.tools import TOOLS
-from tests.support.claude_harness import ClaudeBinary, latestClaude, pinnedClaude
+from tests.support.claude_harness import ClaudeBinary
 from tests.support.claude_tools import capture, checkAllKnown, unknownTools
-
-
-@functools.cache
-def _binaries() -> dict[str, ClaudeBinary]:
-    return {"pinned": pinnedClaude(), "latest": latestClaude()}
-
-
-@pytest.fixture(params=["pinned", "latest"])
-def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
-    """The Claude Code binary under test; skips with the reason when it is unusable."""
-    binary = _binaries()[request.param]
-    binary.require()
-    return binary
 
 
 @pytest.mark.claude

@@ -38,7 +38,6 @@ claim (``Policy.noProxy``): the calls here are plain ``curl``, no ``--noproxy``.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -58,16 +57,15 @@ from tests.support.claude_harness import (
     CANARY_ENV,
     CANARY_KEY,
     MANAGED_ROOT,
-    ClaudeBinary,
     ClaudeRun,
     ManagedSettingsGuard,
     ToolOutcome,
     World,
     freeLoopbackPort,
-    latestClaude,
+    installedBinaries,
     mockAPI,
-    pinnedClaude,
     requireOrSkip,
+    requireSomeBinary,
     runClaude,
     tempLeftoversRemoved,
 )
@@ -297,11 +295,6 @@ def _waitForAudit(stack: Stack, since: int, port: int) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- Claude Code
 
 
-@functools.cache
-def _binaries() -> dict[str, ClaudeBinary]:
-    return {"pinned": pinnedClaude(), "latest": latestClaude()}
-
-
 @pytest.fixture(scope="module")
 def api() -> Iterator[MockMessagesAPI]:
     with mockAPI() as server:
@@ -311,8 +304,7 @@ def api() -> Iterator[MockMessagesAPI]:
 @pytest.fixture(scope="module")
 def managed(stack: Stack) -> Iterator[None]:
     """The drop-in rendered from the stack's config, in an otherwise empty /etc/claude-code."""
-    usable = [b for b in _binaries().values() if b.problem is None]
-    (usable[0] if usable else _binaries()["pinned"]).require()
+    requireSomeBinary()
     with ManagedSettingsGuard(), tempLeftoversRemoved():
         env = stack.userEnv()
         installed = subprocess.run(
@@ -337,7 +329,7 @@ class Sessions:
                     pytest.skip("srt is not installed (npm install -g @anthropic-ai/sandbox-runtime)")
                 self.done[label] = self.agentsandboxRun()
             else:
-                binary = _binaries()[label.removeprefix("claude-")]
+                binary = installedBinaries()[label.removeprefix("claude-")]
                 path = binary.require()
                 request.getfixturevalue("managed")
                 self.done[label] = self.claude(label, path, request.getfixturevalue("api"))
@@ -525,7 +517,7 @@ def test_read_aws_credentials_denied(stack: Stack, claudeSession: Session) -> No
         assert AWS_CANARY not in output, session.describe()
     direct = session.texts["read"]
     assert session.errors["read"], session.describe()
-    if _binaries()[session.label.removeprefix("claude-")].checksBeforeHooks:
+    if installedBinaries()[session.label.removeprefix("claude-")].checksBeforeHooks:
         # 2.1.197 applies the drop-in's Read(~/.aws/**) rule (ours too) before any hook runs.
         assert "denied by your permission settings" in direct, session.describe()
     else:

@@ -18,6 +18,7 @@ particular scenario:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -162,6 +163,18 @@ def latestClaude() -> ClaudeBinary:
 
 
 # --- /etc/claude-code -------------------------------------------------------------
+
+
+@functools.cache
+def installedBinaries() -> dict[str, ClaudeBinary]:
+    """The pinned and the newest Claude Code (``.ci/install-claude``), each looked up once a run."""
+    return {"pinned": pinnedClaude(), "latest": latestClaude()}
+
+
+def requireSomeBinary() -> None:
+    """Skip, with the reason, before /etc/claude-code is touched when no installed binary can run."""
+    usable = [b for b in installedBinaries().values() if b.problem is None]
+    (usable[0] if usable else installedBinaries()["pinned"]).require()
 
 
 def treeSnapshot(root: Path) -> list[tuple[str, str, int, int, int, str]]:
