@@ -136,8 +136,13 @@ def physical(path: str) -> str:
     appended as written, never normalised, so ``..`` cannot climb out of it;
     ``inProcessPath`` is true of it, and the policy refuses it.
     """
+    return _physical(path)[0]
+
+
+def _physical(path: str) -> tuple[str, int]:
+    """``physical(path)`` and how its walk ended (``_DONE``, ``_LOOP`` or ``_STOPPED``)."""
     real, state = _walk("/", path, {})
-    return real if state == _STOPPED else os.path.normpath(real)
+    return (real if state == _STOPPED else os.path.normpath(real)), state
 
 
 #: How ``_walk`` ended: every component read, a link loop met, a process path entered.
@@ -198,10 +203,10 @@ def realpathRemembering(path: str, memo: dict[str, str]) -> str:
     The same answer as realpath (tests/test_policy compares them on generated
     trees of links, loops and dangling links included): a component that is no
     link is appended to its parent's resolution; one that is a link is handed,
-    with that resolution, to ``physical`` itself.  A link loop leaves realpath's
-    answer holding the looping link, and every lstat below it then fails, so the
-    rest is appended unresolved, as realpath appends it.  ``memo`` maps each
-    resolved prefix to its resolution.
+    with that resolution, to ``physical`` itself.  A link whose walk meets a loop
+    sends the whole path to ``physical``: realpath keeps the rest of a looping
+    walk as written and normalises it, so no answer at or below it is remembered.
+    ``memo`` maps each resolved prefix to its resolution.
     """
     found = memo.get(path)
     if found is not None:
@@ -229,7 +234,16 @@ def realpathRemembering(path: str, memo: dict[str, str]) -> str:
             link = stat.S_ISLNK(os.lstat(candidate).st_mode)
         except OSError:
             link = False
-        real = memo[prefix] = physical(candidate) if link else candidate
+        if not link:
+            real = memo[prefix] = candidate
+            continue
+        real, state = _physical(candidate)
+        if state == _LOOP:
+            # realpath keeps the rest of a looping walk as written, and what is
+            # kept can normalise away (a -> a/..): no answer below it is reusable,
+            # this path's included (a longer one would build on it).
+            return physical(path)
+        memo[prefix] = real
     return real
 
 
