@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,4 +118,22 @@ def claude(request: pytest.FixtureRequest) -> ClaudeBinary:
     binary = installedBinaries()[request.param]
     binary.require()
     return binary
+
+
+def hookDecision(user: User, tool: str, cwd: str | None = None, **toolInput: Any) -> str | None:
+    """The PreToolUse hook's deny reason for one call (in-process), or None when it passes."""
+    import io
+    import json
+
+    from agentsandbox import hook
+
+    event = {"hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": toolInput,
+             "cwd": cwd or user.h("projects/repo")}
+    out = hook.pretooluse(io.BytesIO(json.dumps(event).encode()), user.env)
+    if not out:
+        return None
+    spec = json.loads(out)["hookSpecificOutput"]
+    assert spec["permissionDecision"] == "deny"
+    reason: str = spec["permissionDecisionReason"]
+    return reason
 

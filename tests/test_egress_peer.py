@@ -276,13 +276,7 @@ class OtherUserTests(TestCase):
     async def test_aClientOfAnotherUidIsRefused(self) -> None:
         if os.getuid() != 0 or not shutil.which("setpriv"):
             raise SkipTest("needs root and setpriv to run curl as another uid")
-        echo = await listen(Factory.forProtocol(Echo))
-        self.addCleanup(echo.stopListening)
-        dialer = MappedDialer(reactor)
-        dialer.route("192.0.2.10", 80, echo.getHost().port)
-        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, peers=SameUserPeers())
-        await h.start()
-        self.addCleanup(h.stop)
+        h, _ = await _echoProxy(self)
         args = ("--reuid=65534", "--regid=65534", "--clear-groups", CURL, "-sS", "--max-time", "10", "--noproxy", "", "--proxy", f"http://127.0.0.1:{h.port}", "http://echo.example.org/")
         out, _, code = await getProcessOutputAndValue("/usr/bin/setpriv", args, env={"PATH": "/usr/bin:/bin"})
         self.assertNotEqual(code, 0)
@@ -294,18 +288,24 @@ class OtherUserTests(TestCase):
         self.assertEqual(out, b"403")
 
 
+async def _echoProxy(test: TestCase) -> tuple[ProxyHarness, MappedDialer]:
+    """A proxy allowing echo.example.org (an echo server on loopback) with the real same-user check, and its dialer."""
+    echo = await listen(Factory.forProtocol(Echo))
+    test.addCleanup(echo.stopListening)
+    dialer = MappedDialer(reactor)
+    dialer.route("192.0.2.10", 80, echo.getHost().port)
+    h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, peers=SameUserPeers())
+    await h.start()
+    test.addCleanup(h.stop)
+    return h, dialer
+
+
 class ClosedClientTests(TestCase):
     @deferredTest
     async def test_aClientThatClosedBeforeTheCheckIsNotServed(self) -> None:
         """The proxy's own same-user check: a request whose client closed before the
         check is refused as that, never served as uid 0's (the suite's own uid as root)."""
-        echo = await listen(Factory.forProtocol(Echo))
-        self.addCleanup(echo.stopListening)
-        dialer = MappedDialer(reactor)
-        dialer.route("192.0.2.10", 80, echo.getHost().port)
-        h = ProxyHarness(["echo.example.org"], FixedResolver({"echo.example.org": ["192.0.2.10"]}), dialer, peers=SameUserPeers())
-        await h.start()
-        self.addCleanup(h.stop)
+        h, dialer = await _echoProxy(self)
         # The reactor does not run between these lines: the proxy accepts the
         # connection only after the client has closed it.
         client = socket.create_connection(("127.0.0.1", h.port))

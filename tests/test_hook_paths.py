@@ -7,7 +7,6 @@ older hook (which it fails).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import pytest
 
 import agentsandbox
 from agentsandbox import hook
-from tests.conftest import User
+from tests.conftest import User, hookDecision
 
 #: Where the imported package lives: the command under test is that one.
 PACKAGE_ROOT = str(Path(agentsandbox.__file__).resolve().parent.parent)
@@ -42,17 +41,7 @@ def home(user: User) -> User:
     return user
 
 
-def decision(user: User, tool: str, cwd: str | None = None, **toolInput: Any) -> str | None:
-    """The deny reason for one call, or None when it passes."""
-    event = {"hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": toolInput,
-             "cwd": cwd or user.h("projects/repo")}
-    out = hook.pretooluse(io.BytesIO(json.dumps(event).encode()), user.env)
-    if not out:
-        return None
-    spec = json.loads(out)["hookSpecificOutput"]
-    assert spec["permissionDecision"] == "deny"
-    reason: str = spec["permissionDecisionReason"]
-    return reason
+decision = hookDecision
 
 
 def command(user: User, stdin: bytes) -> subprocess.CompletedProcess[bytes]:

@@ -6,7 +6,6 @@ against a hook that knew six file tools (which it fails).
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 
 from agentsandbox import claude, hook, tools
 from agentsandbox.config import ConfigError
-from tests.conftest import User
+from tests.conftest import User, hookDecision
 
 
 @pytest.fixture
@@ -29,16 +28,7 @@ def home(user: User) -> User:
     return user
 
 
-def decision(user: User, tool: str, cwd: str | None = None, **toolInput: Any) -> str | None:
-    event = {"hook_event_name": "PreToolUse", "tool_name": tool, "tool_input": toolInput,
-             "cwd": cwd or user.h("projects/repo")}
-    out = hook.pretooluse(io.BytesIO(json.dumps(event).encode()), user.env)
-    if not out:
-        return None
-    spec = json.loads(out)["hookSpecificOutput"]
-    assert spec["permissionDecision"] == "deny"
-    text: str = spec["permissionDecisionReason"]
-    return text
+decision = hookDecision
 
 
 # --------------------------------------------------------------------------- the table
