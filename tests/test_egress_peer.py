@@ -128,15 +128,21 @@ def _tableState(port: int) -> tuple[str, str] | None:
     return None
 
 
-@pytest.mark.parametrize("netlink", [True, False])
-def test_aClientThatClosedIsRefusedAsClosedNotAsUidZero(netlink: bool) -> None:
-    """A real client closes before the lookup: its socket (TIME_WAIT or an orphaned
-    FIN_WAIT2, uid 0 in the kernel's answer) belongs to no one, also not to root."""
+def _loopbackPair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(listener, client, accepted): one connected pair on 127.0.0.1."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
+    return server, client, accepted
+
+
+@pytest.mark.parametrize("netlink", [True, False])
+def test_aClientThatClosedIsRefusedAsClosedNotAsUidZero(netlink: bool) -> None:
+    """A real client closes before the lookup: its socket (TIME_WAIT or an orphaned
+    FIN_WAIT2, uid 0 in the kernel's answer) belongs to no one, also not to root."""
+    server, client, accepted = _loopbackPair()
     mine, theirs = client.getsockname(), server.getsockname()
     try:
         table = SocketTable(useNetlink=netlink)
@@ -174,11 +180,7 @@ def _squatGoneClientsPort() -> tuple[socket.socket, tuple[str, int], tuple[str, 
     beside other tests): then a new client is made, a few times at most.
     """
     for _ in range(20):
-        server = socket.socket()
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        client = socket.create_connection(server.getsockname())
-        accepted, _ = server.accept()
+        server, client, accepted = _loopbackPair()
         mine, theirs = client.getsockname(), server.getsockname()
         # A reset leaves no TIME_WAIT behind: the port is free at once.
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
