@@ -15,8 +15,7 @@ import json
 import os
 import shlex
 import sys
-import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +62,17 @@ CREDENTIAL_FILES = (
 CREDENTIAL_PATHS = CREDENTIAL_DIRS + CREDENTIAL_FILES
 
 
-def render(policy: Policy) -> dict[str, Any]:
-    """The drop-in as a JSON-ready dict."""
+def render(policy: Policy, helper: str | None = None) -> dict[str, Any]:
+    """The drop-in as a JSON-ready dict; with ``helper``, naming it as Claude Code's policy helper.
+
+    The machine's drop-in names the helper (``helperPath``), which Claude Code
+    runs as the session's user when it starts; the helper prints this same
+    rendering of that user's own policy (``policyhelper``), which replaces the
+    file's for that session.  ``policy.others`` (other people's homes) are
+    closed here too: each session's rendering closes them, the machine's has none.
+    """
     setting = policy.setting
-    closed = ["~/", "/" + RUNTIME_ROOT]
+    closed = ["~/", "/" + RUNTIME_ROOT, *_settings(setting(h) for h in policy.others)]
     explicit = (*policy.read, *policy.write)
     credentialDeny: list[str] = []
     for rel in CREDENTIAL_PATHS:
@@ -81,7 +87,7 @@ def render(policy: Policy) -> dict[str, Any]:
         for tool in ("Read", "Edit"):
             denyRules += [f"{tool}({s})"] if isFile else [f"{tool}({s})", f"{tool}({s}/**)"]
     exe = policy.exe
-    return {
+    settings: dict[str, Any] = {
         "env": {ENV_MARKER: "1"},
         "hooks": {
             "PreToolUse": [
@@ -121,6 +127,36 @@ def render(policy: Policy) -> dict[str, Any]:
             },
         },
     }
+    if helper is not None:
+        settings["policyHelper"] = {"path": helper}
+    return settings
+
+
+#: The policy helper's executable, beside ``agentsandbox`` (a console script of the package).
+HELPER_NAME = "agentsandbox-policy-helper"
+
+
+def helperPath(exe: str) -> str:
+    """The policy helper of the installation whose ``agentsandbox`` is ``exe``."""
+    return os.path.join(os.path.dirname(exe), HELPER_NAME)
+
+
+def machinePolicy(environ: Mapping[str, str] | None = None, config: str | None = None) -> Policy:
+    """The policy the machine's drop-in is rendered from: the machine's config, never a user's.
+
+    ``config`` names the machine's file (``render claude --config``, the Nix
+    module's build); by default it is ``/etc/agentsandbox/config.toml``, or the
+    built-in defaults where there is none.  Other people's homes are left out:
+    the drop-in is the same for every user.
+    """
+    from agentsandbox.config import loadMachine
+
+    return Policy.fromConfig(loadMachine(environ, config), environ, others=())
+
+
+def renderMachine(policy: Policy) -> dict[str, Any]:
+    """The machine's drop-in: ``policy`` (``machinePolicy``'s) naming this installation's helper."""
+    return render(policy, helperPath(policy.exe))
 
 
 def _webFetchRules(domains: Iterable[str]) -> list[str]:
@@ -218,7 +254,10 @@ def dropInPath(managed: str | None = None) -> str:
 class InstallResult:
     changed: bool
     path: str
+    #: The root command that would write it, when this process may not.
     steps: tuple[str, ...]
+    #: What writing it changes: a unified diff of the installed drop-in and the new one.
+    diff: str = ""
 
 
 def _read(path: str) -> bytes | None:
@@ -230,7 +269,7 @@ def _read(path: str) -> bytes | None:
 
 
 def drift(policy: Policy, managed: str | None = None) -> str | None:
-    """Why the installed drop-in is not what the config renders, or None when current."""
+    """Why the installed drop-in is not what ``policy`` (``machinePolicy``'s) renders, or None."""
     path = dropInPath(managed)
     try:
         installed = _read(path)
@@ -238,71 +277,118 @@ def drift(policy: Policy, managed: str | None = None) -> str | None:
         return f"cannot read {path}: {e.strerror}"
     if installed is None:
         return f"{path} is not installed"
-    if installed != dumps(render(policy)).encode():
-        return f"{path} differs from what the current config renders"
+    if installed != dumps(renderMachine(policy)).encode():
+        return f"{path} differs from what the machine's config renders"
     return None
 
 
-def install(policy: Policy, managed: str | None = None, stage: str | None = None) -> InstallResult:
-    """Write the drop-in atomically; without permission, return the root commands.
+def install(policy: Policy, managed: str | None = None) -> InstallResult:
+    """Write the machine's drop-in (``renderMachine(policy)``) atomically.
 
-    ``stage`` is where a copy is left for those commands (the state dir).
+    Without permission nothing is written and nothing is staged: the result
+    names the root command (``agentsandbox install``, which renders from the
+    machine's config itself) and the diff it would make.  No command ever
+    copies a file a user can write into the managed directory.
     """
     managed = managed or managedDir()
-    data = dumps(render(policy)).encode()
+    text = dumps(renderMachine(policy))
+    data = text.encode()
     base = os.path.join(managed, "managed-settings.json")
     dropDir = os.path.join(managed, "managed-settings.d")
     target = os.path.join(dropDir, DROP_IN_NAME)
     needBase = not os.path.exists(base)
-    needDir = not os.path.isdir(dropDir)
-    current = _read(target) if not needDir else None
+    current = _read(target) if os.path.isdir(dropDir) else None
     if not needBase and current == data:
         return InstallResult(False, target, ())
+    import difflib
+
+    old = (current or b"").decode("utf-8", "replace").splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(old, text.splitlines(keepends=True), target, target + " (new)"))
     try:
         os.makedirs(dropDir, mode=0o755, exist_ok=True)
         if needBase:
             atomicWrite(base, b"{}\n", 0o644)
         atomicWrite(target, data, 0o644)
-        return InstallResult(True, target, ())
+        return InstallResult(True, target, (), diff)
     except PermissionError:
         pass
-    staged = stage or tempfile.mkdtemp(prefix="agentsandbox-stage-")
-    os.makedirs(staged, mode=0o700, exist_ok=True)
-    stagedBase = os.path.join(staged, "managed-settings.json")
-    stagedDrop = os.path.join(staged, DROP_IN_NAME)
-    with open(stagedBase, "wb") as f:
-        f.write(b"{}\n")
-    with open(stagedDrop, "wb") as f:
-        f.write(data)
-    q = shlex.quote
-    steps: list[str] = []
-    if needBase:
-        steps.append(f"sudo install -d -m 0755 {q(managed)}")
-        steps.append(f"sudo install -m 0644 -o root {q(stagedBase)} {q(base)}")
-    if needDir:
-        steps.append(f"sudo install -d -m 0755 {q(dropDir)}")
-    if current != data:
-        steps.append(f"sudo install -m 0644 -o root {q(stagedDrop)} {q(target)}")
-    return InstallResult(True, target, tuple(steps))
+    command = [policy.exe, "install"]
+    if managed != managedDir():
+        command += ["--managed-dir", managed]
+    return InstallResult(True, target, ("sudo " + shlex.join(command),), diff)
+
+
+class UntrustedConfig(Exception):
+    """A config root may not render the machine's drop-in from; the text says why."""
+
+
+def trustedForMachine(path: str) -> None:
+    """Refuse a config file anyone but root could have written, or could still replace.
+
+    The machine's drop-in holds every user's sessions, so it is rendered only
+    from a file that root owns and no one else can write, in directories no
+    one else can rename it out of (a sticky directory, such as /var/tmp, is
+    safe: only its owner may rename an entry).  Raises ``UntrustedConfig``.
+    """
+    import stat
+
+    path = os.path.abspath(path)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedConfig(f"{path} is a symbolic link; name the file itself")
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise UntrustedConfig(
+            f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
+            "the machine's drop-in is rendered only from a file root owns and no one else can write"
+        )
+    directory = os.path.dirname(path)
+    while True:
+        st = os.stat(directory)
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        if st.st_uid != 0 or (st.st_mode & 0o022 and not sticky):
+            raise UntrustedConfig(
+                f"{directory} (holding {path}) is owned by uid {st.st_uid} with mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: someone other than root could replace the config"
+            )
+        if directory == "/":
+            return
+        directory = os.path.dirname(directory)
 
 
 def installMain(argv: list[str]) -> int:
-    from agentsandbox.cli import loadConfig, parser
+    from agentsandbox.cli import parser
+    from agentsandbox.config import ConfigError
 
-    p = parser("install", "Install the Claude Code managed-settings drop-in rendered from the config.")
+    p = parser(
+        "install",
+        "Install Claude Code's managed-settings drop-in, rendered from the machine's config "
+        "(/etc/agentsandbox/config.toml, or the built-in defaults where there is none) and naming "
+        "the policy helper that gives each session its user's own policy.",
+    )
     p.add_argument("--managed-dir", default=None, help=f"managed-settings root (default {managedDir()})")
     args = p.parse_args(argv)
-    config = loadConfig("install", args.config)
-    policy = Policy.fromConfig(config)
+    try:
+        if args.config is not None:
+            trustedForMachine(args.config)
+        policy = machinePolicy(config=args.config)
+    except (UntrustedConfig, OSError) as e:
+        print(f"agentsandbox install: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"agentsandbox install: {e}", file=sys.stderr)
+        return 2
     policy.mountPoints()
-    result = install(policy, args.managed_dir, stage=os.path.join(config.paths.stateDir, "staged"))
+    result = install(policy, args.managed_dir)
     if not result.changed:
         print(f"the drop-in {result.path} is current")
         return 0
     if result.steps:
-        print(f"no permission to write {result.path}; install it as root:")
+        print(f"no permission to write {result.path}; root renders it from the machine's config:")
         for step in result.steps:
             print(f"  {step}")
+        if result.diff:
+            print("it will change:")
+            sys.stdout.write(result.diff)
         return 1
     print(f"installed {result.path}")
     return 0

@@ -27,7 +27,9 @@ def configMain(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return 0
-    print(f"# effective config, from {config.source}")
+    print(f"# effective config, from {config.served}")
+    for notice in config.notices:
+        print(f"# not granted: {notice}")
     for section in ("sandbox", "proxy", "broker", "scope", "audit", "run"):
         print(f"\n[{section}]")
         for key, value in data[section].items():
@@ -48,18 +50,31 @@ def configMain(argv: list[str]) -> int:
 
 def renderMain(argv: list[str]) -> int:
     p = parser("render", "Print a file rendered from the policy.")
-    p.add_argument("what", choices=["claude", "srt"], help="claude: the managed-settings drop-in; srt: srt settings")
+    p.add_argument(
+        "what",
+        choices=["claude", "srt"],
+        help="claude: the machine's managed-settings drop-in (--config names the machine's file); "
+        "srt: this user's srt settings",
+    )
     args = p.parse_args(argv)
+    if args.what == "claude":
+        # The machine's drop-in, as `install` writes it: from --config taken as
+        # the machine's file, else the machine's, else the built-in defaults.
+        from agentsandbox import claude
+        from agentsandbox.config import ConfigError
+
+        try:
+            machine = claude.machinePolicy(config=args.config)
+        except ConfigError as e:
+            print(f"agentsandbox render: {e}", file=sys.stderr)
+            return 2
+        sys.stdout.write(claude.dumps(claude.renderMachine(machine)))
+        return 0
     config = loadConfig("render", args.config)
     policy = Policy.fromConfig(config)
-    if args.what == "claude":
-        from agentsandbox import claude
+    from agentsandbox import srt
 
-        sys.stdout.write(claude.dumps(claude.render(policy)))
-    else:
-        from agentsandbox import srt
-
-        sys.stdout.write(srt.dumps(srt.render(policy)))
+    sys.stdout.write(srt.dumps(srt.render(policy)))
     return 0
 
 

@@ -1,8 +1,10 @@
 """The config file: TOML in, a frozen Config out.  Every error names the file and the key.
 
-Lookup order: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > ``~/.config/agentsandbox/config.toml``
-> ``/etc/agentsandbox/config.toml`` > the built-in defaults.  Unknown keys are errors,
-because a typo must never silently weaken a policy.
+The user's file: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > ``~/.config/agentsandbox/config.toml``.
+On a machine with ``/etc/agentsandbox/config.toml`` that file is the policy and
+the user's only narrows it (``machine.narrow``); without one, the user's file
+(or the built-in defaults) is the policy.  Unknown keys are errors, because a
+typo must never silently weaken a policy.
 
 It owns the config's values, the token sources among them (``CommandSource``,
 ``FileSource``, ``EnvSource``: where a token comes from, how that is named and
@@ -17,7 +19,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from agentsandbox.egress.rules import (
@@ -291,6 +293,19 @@ class Config:
     scope: ScopeConfig
     audit: AuditConfig
     run: RunConfig = field(default_factory=RunConfig)
+    #: The machine's config file this one is held to (``machine.narrow``); None without one.
+    machine: str | None = None
+    #: What the user's file asked for that the machine's does not grant, one sentence each.
+    notices: tuple[str, ...] = ()
+
+    @property
+    def served(self) -> str:
+        """Which files make this config, for the service's log, ``status`` and ``doctor``."""
+        if self.machine is None:
+            return self.source
+        if self.source == self.machine:
+            return f"{self.machine} (the machine's)"
+        return f"{self.machine} (the machine's), narrowed by {self.source}"
 
     def injectFor(self, host: str) -> InjectRule | None:
         for rule in self.inject:
@@ -323,33 +338,91 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
 
 
 def locate(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The config file that applies, or None for the built-in defaults."""
+    """The user's config file that applies (held to the machine's), or None."""
     return locateConfig(explicit, environ)
 
 
-def load(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Find, read and validate the config.  Raises ConfigError."""
+def load(
+    explicit: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    machine: str | None = None,
+) -> Config:
+    """Find, read and validate the config in force for this user.  Raises ConfigError.
+
+    With a machine config (``machine``, default ``/etc/agentsandbox/config.toml``
+    when it exists) the user's file only narrows it (``machine.narrow``).
+    The machine's file is never taken from the environment: a user must not
+    be able to swap the admin's bounds for a file of their own.
+    """
     env = os.environ if environ is None else environ
     paths = Paths.fromEnvironment(env)
-    path = locate(explicit, env)
+    userPath = locate(explicit, env)
+    machinePath = machine if machine is not None else machineConfig()
+    if machinePath is not None and userPath is not None and _same(machinePath, userPath):
+        userPath = None
+    if machinePath is None:
+        if userPath is None:
+            return parse({}, BUILTIN, paths)
+        return loads(_readConfig(userPath), userPath, paths)
+    machineConfigValue = loads(_readConfig(machinePath), machinePath, paths)
+    machineConfigValue = replace(machineConfigValue, machine=machinePath)
+    if userPath is None:
+        return machineConfigValue
+    data = _toml(_readConfig(userPath), userPath)
+    user = parse(data, userPath, paths)
+    from agentsandbox.machine import narrow
+
+    config = narrow(machineConfigValue, user, data)
+    _checkLayout(config)
+    return config
+
+
+def loadMachine(environ: Mapping[str, str] | None = None, path: str | None = None) -> Config:
+    """The machine's config alone, as ``environ``'s user reads it (``~`` is their home).
+
+    ``path``, else ``/etc/agentsandbox/config.toml``, else the built-in
+    defaults.  What the machine's drop-in and the dispatcher are made from.
+    """
+    paths = Paths.fromEnvironment(os.environ if environ is None else environ)
+    path = path or machineConfig()
     if path is None:
         return parse({}, BUILTIN, paths)
+    return replace(loads(_readConfig(path), path, paths), machine=path)
+
+
+def machineConfig() -> str | None:
+    """The machine's config file, if this machine has one."""
+    from agentsandbox import paths
+
+    return paths.SYSTEM_CONFIG if os.path.exists(paths.SYSTEM_CONFIG) else None
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _readConfig(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as e:
         raise ConfigError(path, "", f"cannot read the config: {e.strerror or e}") from None
-    return loads(raw, path, paths)
 
 
 def loads(raw: bytes, source: str, paths: Paths) -> Config:
+    return parse(_toml(raw, source), source, paths)
+
+
+def _toml(raw: bytes, source: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(source, "", f"not UTF-8 ({e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(source, "", f"not valid TOML: {e}") from None
-    return parse(data, source, paths)
 
 
 # --------------------------------------------------------------------------- parsing

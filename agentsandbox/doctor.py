@@ -149,22 +149,41 @@ def checkConfig(configPath: str | None, environ: Mapping[str, str]) -> tuple[Che
         config = load(configPath, environ)
     except ConfigError as e:
         return Check(CONFIG_CHECK, FAIL, str(e), f"fix {e.source} (key {e.key or '-'})"), None
-    return Check(CONFIG_CHECK, OK, config.source), config
+    return Check(CONFIG_CHECK, OK, config.served), config
 
 
-def checkDropIn(policy: Policy, managed: str | None = None) -> Check:
-    """The Claude Code drop-in is installed and is what the config renders now."""
-    from agentsandbox.claude import drift, dropInPath
+def checkWishes(config: Config) -> list[Check]:
+    """A warning for each thing the user's file asks for that the machine's does not grant."""
+    return [
+        Check("config: not granted", WARN, notice, f"ask the admin to grant it in {config.machine}, or drop it")
+        for notice in config.notices
+    ]
 
+
+def checkDropIn(environ: Mapping[str, str], managed: str | None = None) -> Check:
+    """The Claude Code drop-in is installed and is what the machine's config renders now.
+
+    Compared with the machine's config alone (or the built-in defaults where
+    the machine has none), never a user's: the drop-in serves every user, and
+    each session's own policy comes from the policy helper it names.
+    """
+    from agentsandbox.claude import drift, dropInPath, machinePolicy
+
+    name = "Claude Code drop-in"
+    try:
+        policy = machinePolicy(environ)
+    except ConfigError as e:
+        return Check(name, FAIL, f"the machine's config does not load: {e}", f"the admin fixes {e.source}")
     why = drift(policy, managed)
     if why is not None:
         return Check(
-            "Claude Code drop-in",
+            name,
             FAIL,
             why,
-            "`agentsandbox install` (it prints the root command when it cannot write there)",
+            f"root renders it from {policy.configFile or 'the built-in defaults'}: "
+            f"sudo {policy.exe} install",
         )
-    return Check("Claude Code drop-in", OK, f"{dropInPath(managed)} is current")
+    return Check(name, OK, f"{dropInPath(managed)} is current")
 
 
 def checkServerManaged(claudeDir: str) -> Check:
@@ -494,8 +513,9 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
     checks.append(configCheck)
     paths = Paths.fromEnvironment(inputs.environ)
     if config is not None:
+        checks.extend(checkWishes(config))
         policy = Policy.fromConfig(config, inputs.environ)
-        checks.append(checkDropIn(policy, inputs.managedDir))
+        checks.append(checkDropIn(inputs.environ, inputs.managedDir))
         checks.append(checkAddressEntries(policy))
     checks.append(checkServerManaged(paths.claudeDir))
     if config is not None:

@@ -797,15 +797,21 @@ class PolicyUnavailable(Exception):
 
 
 def _cacheKey(environ: Mapping[str, str]) -> list[object]:
-    from agentsandbox import __version__
-    from agentsandbox.paths import locateConfig
+    """What the cached policy was built from: the user's and the machine's config, the accounts."""
+    from agentsandbox import __version__, paths
 
-    source = locateConfig(None, environ)
-    fileKey: list[object] | None = None
-    if source is not None:
-        st = os.stat(source)
-        fileKey = [source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return [__version__, fileKey, [environ.get(n) for n in _CACHE_ENV]]
+    fileKeys: list[object] = []
+    for source in (paths.locateConfig(None, environ), paths.SYSTEM_CONFIG, "/etc/passwd", "/etc/login.defs"):
+        if source is None:
+            fileKeys.append(None)
+            continue
+        try:
+            st = os.stat(source)
+        except FileNotFoundError:
+            fileKeys.append([source])
+            continue
+        fileKeys.append([source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return [__version__, fileKeys, [environ.get(n) for n in _CACHE_ENV]]
 
 
 def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
@@ -985,13 +991,16 @@ def sessionLines(environ: Mapping[str, str], cwd: str | None = None) -> tuple[li
 
     lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(exports.items())]
     lines += [f"unset {n}" for n in names]
-    from agentsandbox.claude import drift
+    from agentsandbox.claude import drift, machinePolicy
 
-    why = drift(policy)
+    try:
+        why = drift(machinePolicy(environ))
+    except ConfigError as e:
+        why = f"the machine's config does not load ({e})"
     if why is not None:
-        messages.append(
-            f"agentsandbox: {why}. Run `agentsandbox install` (it prints the root commands if needed)."
-        )
+        messages.append(f"agentsandbox: {why}. The admin renders it: `sudo agentsandbox install`.")
+    for notice in config.notices:
+        messages.append(f"agentsandbox: {notice}.")
     if cwd is not None and cwd.startswith("/"):
         messages += _definitionWarnings(policy, config.source, cwd)
     return lines, messages

@@ -130,9 +130,10 @@ class Paths:
 
 
 def locateConfig(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The config file that applies, or None for the built-in defaults.
+    """The user's config file, or None: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > the user's file.
 
-    ``--config`` > ``$AGENTSANDBOX_CONFIG`` > the user's file > the system file.
+    The machine's file (``SYSTEM_CONFIG``) is not a fallback here: it is the
+    bound every user's file is held to (``config.load``, ``machine.narrow``).
     """
     env = os.environ if environ is None else environ
     if explicit:
@@ -142,8 +143,6 @@ def locateConfig(explicit: str | None, environ: Mapping[str, str] | None = None)
     user = Paths.fromEnvironment(env).userConfig
     if os.path.exists(user):
         return user
-    if os.path.exists(SYSTEM_CONFIG):
-        return SYSTEM_CONFIG
     return None
 
 

@@ -327,6 +327,7 @@ _FIELDS = (
     "exe",
     "configFile",
     "allowTools",
+    "others",
 )
 
 
@@ -354,6 +355,8 @@ class Policy:
     configFile: str | None
     #: Tools the drop-in removes by default that the config re-opens (``sandbox.allow_tools``).
     allowTools: tuple[str, ...]
+    #: Every other person's home on this machine (``otherHomes``): closed like this one.
+    others: tuple[str, ...]
     environ: Mapping[str, str]
     #: Each absolute path and parent resolved so far, in a ``remembering`` copy; else None.
     _resolved: dict[str, str] | None
@@ -375,6 +378,7 @@ class Policy:
         exe: str,
         configFile: str | None,
         allowTools: tuple[str, ...] = (),
+        others: tuple[str, ...] = (),
         environ: Mapping[str, str] | None = None,
     ) -> None:
         values = locals()
@@ -411,7 +415,15 @@ class Policy:
         config: Config,
         environ: Mapping[str, str] | None = None,
         exe: str | None = None,
+        others: tuple[str, ...] | None = None,
     ) -> Policy:
+        """The policy of ``config`` for this user.
+
+        ``others`` are the homes closed beside this one; by default every other
+        person's on this machine (``otherHomes``).  The machine's drop-in is
+        rendered with none: it is the same for every user, and each session's
+        own settings (the policy helper's) close the others.
+        """
         env = dict(os.environ if environ is None else environ)
         paths: Paths = config.paths
         claude = paths.claudeDir
@@ -453,6 +465,7 @@ class Policy:
             exe=exe,
             configFile=configFile,
             allowTools=config.sandbox.allow_tools,
+            others=otherHomes(os.getuid(), paths.home) if others is None else others,
             environ=env,
         )
 
@@ -460,7 +473,8 @@ class Policy:
 
     def closed(self) -> tuple[str, ...]:
         """The directories denied for reading apart from what the lists re-allow."""
-        return (self.home,) if self.runtime is None else (self.home, self.runtime)
+        own = (self.home,) if self.runtime is None else (self.home, self.runtime)
+        return own + self.others
 
     def remembering(self) -> Policy:
         """This policy, resolving each path once: for one decision, such as the hook's.
@@ -663,6 +677,59 @@ class Policy:
             elif name == "AGENTSANDBOX_CONFIG":
                 out[name] = path
         return out
+
+
+#: Where login accounts' uids lie when /etc/login.defs does not say (Debian's defaults).
+_UID_RANGE = (1000, 60000)
+
+
+def otherHomes(uid: int, home: str, passwd: str = "/etc/passwd", loginDefs: str = "/etc/login.defs") -> tuple[str, ...]:
+    """The homes of every other person on this machine: root's and each login account's.
+
+    A login account is one whose uid lies in login.defs' UID_MIN..UID_MAX
+    (service accounts' homes, such as ``/bin`` or ``/var/lib/…``, are not
+    people's).  ``uid``'s own entry, and a home that holds ``home`` (the
+    session's), are left out: the session's own home is closed apart from its
+    lists already.  Read from the files, not NSS: a directory service's users
+    are not listed (docs/config.md says so).
+    """
+    low, high = _uidRange(loginDefs)
+    homes: set[str] = set()
+    try:
+        with open(passwd, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ()
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) < 7 or not fields[2].isdigit():
+            continue
+        owner, directory = int(fields[2]), fields[5]
+        if owner == uid or (owner != 0 and not low <= owner <= high):
+            continue
+        if not directory.startswith("/"):
+            continue
+        directory = _clean(directory)
+        if directory == "/" or under(home, directory) or not os.path.isdir(directory):
+            continue
+        homes.add(directory)
+    return tuple(sorted(homes))
+
+
+def _uidRange(loginDefs: str) -> tuple[int, int]:
+    low, high = _UID_RANGE
+    try:
+        with open(loginDefs, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[1].isdigit():
+                    if parts[0] == "UID_MIN":
+                        low = int(parts[1])
+                    elif parts[0] == "UID_MAX":
+                        high = int(parts[1])
+    except OSError:
+        pass
+    return low, high
 
 
 def executable() -> str:

@@ -262,12 +262,14 @@ class Setup:
             path = self.paths.userConfig
             self.writeFile(path, starterConfig(self.socket), 0o644)
             self.say(f"config: wrote a starter config to {path} (edit sandbox.write and sandbox.domains)")
-        else:
-            self.say(f"config: using {located}")
         try:
             config = load(None, self.environ)
         except ConfigError as e:
             raise SetupError(f"the config cannot be used: {e}", cli.EXIT_CONFIG) from None
+        if located is not None:
+            self.say(f"config: using {config.served}")
+        for notice in config.notices:
+            self.say(f"config: not granted: {notice}")
         if self.socket and not (config.proxy.listen or "").startswith("systemd:"):
             raise SetupError(
                 f'--socket needs proxy.listen = "{SOCKET_LISTEN}" in {config.source}, so the '
@@ -325,34 +327,38 @@ class Setup:
         self.say(f"systemd: enabled and started {', '.join(units)}")
 
     def dropIn(self, config: Config) -> None:
+        """Install the machine's drop-in when this user may; else say the root command and its diff.
+
+        The drop-in is rendered from the machine's config (or the built-in
+        defaults), never from this user's file: this user's policy reaches
+        their sessions through the policy helper the drop-in names.
+        """
         from agentsandbox import claude
 
-        policy = Policy.fromConfig(config, self.environ)
-        policy.mountPoints()
+        Policy.fromConfig(config, self.environ).mountPoints()
+        try:
+            policy = claude.machinePolicy(self.environ)
+        except ConfigError as e:
+            self.say(f"drop-in: the machine's config does not load ({e}); the admin fixes {e.source}")
+            return
         managed = self.managed or managedDir()
         base = os.path.join(managed, "managed-settings.json")
         dropDir = os.path.join(managed, "managed-settings.d")
         target = os.path.join(dropDir, DROP_IN_NAME)
         existed = {p: os.path.exists(p) for p in (managed, dropDir, base, target)}
-        stage = os.path.join(self.paths.stateDir, "staged")
-        stageExisted = os.path.exists(stage)
         try:
-            result = claude.install(policy, managed, stage=stage)
+            result = claude.install(policy, managed)
         except OSError as e:
             self.say(f"drop-in: cannot install {target}: {e.strerror or e}")
             return
         if result.steps:
-            if not stageExisted:
-                self.record.dirs.append(stage)
-            for name in ("managed-settings.json", DROP_IN_NAME):
-                staged = os.path.join(stage, name)
-                digest = sha256(staged)
-                if digest is not None:
-                    self.record.files[staged] = digest
-            commands = [s.removeprefix("sudo ") for s in result.steps]
+            source = config.machine or "the built-in defaults"
             self.say(
-                f"drop-in: no permission to write {target}; install it as root with:\n"
-                f"    sudo sh -c {shlex.quote(' && '.join(commands))}"
+                f"drop-in: no permission to write {target}. Root renders it from {source} "
+                "(never from your file; your own config reaches your sessions through the "
+                "policy helper it names):\n"
+                + "".join(f"    {step}\n" for step in result.steps)
+                + ("  it will change:\n" + result.diff if result.diff else "")
             )
             return
         for d in (managed, dropDir):

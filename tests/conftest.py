@@ -75,8 +75,10 @@ class User:
         raw = (DEFAULT_TOML if text is None else text).encode()
         return loads(raw, str(self.configFile), Paths.fromEnvironment(self.env))
 
-    def policy(self, text: str | None = None, exe: str = "/usr/bin/agentsandbox") -> Policy:
-        return Policy.fromConfig(self.config(text), self.env, exe=exe)
+    def policy(self, text: str | None = None, exe: str = "/usr/bin/agentsandbox",
+               others: tuple[str, ...] = ()) -> Policy:
+        """The policy of ``text`` (default ``DEFAULT_TOML``); ``others`` stand for other people's homes."""
+        return Policy.fromConfig(self.config(text), self.env, exe=exe, others=others)
 
     def h(self, rel: str) -> str:
         return str(self.home / rel)
@@ -110,6 +112,28 @@ def user(tmp_path: Path) -> User:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
     }
     return User(base=base, home=home, runtime=runtime, tmp=tmp, env=env)
+
+
+class MachineConfig:
+    """The machine's config file (``/etc/agentsandbox/config.toml``), moved into a test's temp dir."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, text: str) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(text)
+        return self.path
+
+
+@pytest.fixture
+def machineFile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MachineConfig:
+    """This process reads the machine's config from a temp file (absent until ``write``)."""
+    from agentsandbox import paths
+
+    path = tmp_path / "etc" / "agentsandbox" / "config.toml"
+    monkeypatch.setattr(paths, "SYSTEM_CONFIG", str(path))
+    return MachineConfig(path)
 
 
 @pytest.fixture(params=["pinned", "latest"])

@@ -143,7 +143,8 @@ def test_install_writes_atomically_and_says_current(user: User, tmp_path: Path) 
     first = claude.install(policy, str(managed))
     assert first.changed and not first.steps
     drop = managed / "managed-settings.d" / "50-agentsandbox.json"
-    assert drop.read_text() == claude.dumps(claude.render(policy))
+    assert drop.read_text() == claude.dumps(claude.renderMachine(policy))
+    assert json.loads(drop.read_text())["policyHelper"] == {"path": "/usr/bin/agentsandbox-policy-helper"}
     assert stat.S_IMODE(drop.stat().st_mode) == 0o644
     assert (managed / "managed-settings.json").read_text() == "{}\n"
     assert claude.drift(policy, str(managed)) is None
@@ -152,7 +153,18 @@ def test_install_writes_atomically_and_says_current(user: User, tmp_path: Path) 
     assert not [p for p in os.listdir(managed / "managed-settings.d") if p.startswith(".")]
     other = user.policy('[sandbox]\ndomains = ["other.example.com"]\n')
     assert "differs" in (claude.drift(other, str(managed)) or "")
-    assert claude.install(other, str(managed)).changed
+    changed = claude.install(other, str(managed))
+    assert changed.changed and '-        "muster.example.com",' in changed.diff
+
+
+def test_the_machine_drop_in_closes_no_one_home_the_sessions_close_the_others(user: User) -> None:
+    """The drop-in is the same for every user; each session's rendering (the helper's) closes the others."""
+    session = claude.render(user.policy(others=("/home/ann", "/srv/homes/bob")))
+    assert session["sandbox"]["filesystem"]["denyRead"][:4] == ["~/", "//run/user", "//home/ann", "//srv/homes/bob"]
+    assert "policyHelper" not in session
+    machine = claude.renderMachine(user.policy())
+    assert machine["sandbox"]["filesystem"]["denyRead"][:2] == ["~/", "//run/user"]
+    assert "//home/ann" not in machine["sandbox"]["filesystem"]["denyRead"]
 
 
 def test_install_keeps_an_existing_base_file(user: User, tmp_path: Path) -> None:
@@ -163,10 +175,10 @@ def test_install_keeps_an_existing_base_file(user: User, tmp_path: Path) -> None
     assert (managed / "managed-settings.json").read_text() == '{"x": 1}\n'
 
 
-def test_install_without_permission_prints_exact_root_lines(
+def test_install_without_permission_names_the_root_command_and_stages_nothing(
     user: User, request: pytest.FixtureRequest
 ) -> None:
-    """The root lines are exact and shell-quoted; as root the install runs as nobody."""
+    """One root command that renders from the machine's config; no copy of anything is left behind."""
     import shutil
     import subprocess
     import tempfile
@@ -178,38 +190,58 @@ def test_install_without_permission_prints_exact_root_lines(
     top.chmod(0o755)
     managed = top / "has space" / "claude-code"
     managed.parent.mkdir()
-    stage = top / "stage"
-    stage.mkdir()
     asRoot = os.getuid() == 0
-    if asRoot:
-        os.chown(stage, 65534, 65534)
-    else:
+    if not asRoot:
         managed.parent.chmod(0o555)
     code = (
         "import json,sys; from agentsandbox import claude; from agentsandbox.policy import Policy;"
         "p = Policy.fromDict(json.loads(sys.argv[1]), {});"
-        "r = claude.install(p, sys.argv[2], stage=sys.argv[3]);"
-        "print(json.dumps([r.changed, list(r.steps)]))"
+        "r = claude.install(p, sys.argv[2]);"
+        "print(json.dumps([r.changed, list(r.steps), r.diff]))"
     )
     out = subprocess.run(
-        ["/usr/bin/python3", "-c", code, json.dumps(user.policy().toDict()), str(managed), str(stage)],
+        ["/usr/bin/python3", "-c", code, json.dumps(user.policy().toDict()), str(managed)],
         capture_output=True,
         text=True,
         user=65534 if asRoot else None,
         env={"PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
         check=True,
+        cwd=str(top),
     )
-    changed, steps = json.loads(out.stdout)
-    m = str(managed)
+    changed, steps, diff = json.loads(out.stdout)
     assert changed
-    assert steps == [
-        f"sudo install -d -m 0755 '{m}'",
-        f"sudo install -m 0644 -o root {stage}/managed-settings.json '{m}/managed-settings.json'",
-        f"sudo install -d -m 0755 '{m}/managed-settings.d'",
-        f"sudo install -m 0644 -o root {stage}/50-agentsandbox.json '{m}/managed-settings.d/50-agentsandbox.json'",
-    ]
-    assert json.loads((stage / "50-agentsandbox.json").read_text())["sandbox"]["enabled"]
+    assert steps == [f"sudo /usr/bin/agentsandbox install --managed-dir '{managed}'"]
+    assert '+  "policyHelper": {' in diff
     assert not managed.exists()
+    assert sorted(os.listdir(top)) == ["has space"]
+
+
+def test_install_renders_only_from_a_file_root_alone_could_have_written(tmp_path: Path) -> None:
+    """``install --config`` refuses a config someone other than root owns, could write or could swap."""
+    if os.getuid() != 0:
+        pytest.skip("the ownership checks need files owned by root and by another uid: run as root")
+    safe = tmp_path / "etc"
+    safe.mkdir(mode=0o755)
+    config = safe / "config.toml"
+    config.write_text("")
+    config.chmod(0o644)
+    claude.trustedForMachine(str(config))
+    config.chmod(0o664)
+    with pytest.raises(claude.UntrustedConfig, match="owned by uid 0 with mode 0664"):
+        claude.trustedForMachine(str(config))
+    config.chmod(0o644)
+    os.chown(config, 65534, 65534)
+    with pytest.raises(claude.UntrustedConfig, match="owned by uid 65534"):
+        claude.trustedForMachine(str(config))
+    os.chown(config, 0, 0)
+    os.chown(safe, 65534, 65534)
+    with pytest.raises(claude.UntrustedConfig, match="someone other than root could replace"):
+        claude.trustedForMachine(str(config))
+    os.chown(safe, 0, 0)
+    link = tmp_path / "link.toml"
+    link.symlink_to(config)
+    with pytest.raises(claude.UntrustedConfig, match="symbolic link"):
+        claude.trustedForMachine(str(link))
 
 
 def test_srt_settings_hold_the_same_lists(user: User) -> None:

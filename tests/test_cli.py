@@ -50,17 +50,33 @@ def test_config_errors_exit_2_with_the_key(user: User) -> None:
     assert p.stderr == (
         f"agentsandbox config: {user.configFile}: proxy.prot: unknown key (a typo here must not weaken the policy)\n"
     )
-    for args in (("render", "claude"), ("check", "read", "/etc/hosts"), ("install", "--managed-dir", "/nonexistent")):
-        assert cli(user, *args).returncode != 0
+    assert cli(user, "check", "read", "/etc/hosts").returncode != 0
+
+
+def test_the_machine_drop_in_commands_never_read_the_users_file(user: User, tmp_path: Path) -> None:
+    """``render claude`` and ``install`` render the machine's drop-in: a user's file is not theirs to read.
+
+    A broken user file does not stop them; a broken machine file (``--config``) does, naming its key.
+    """
+    user.writeConfig("[proxy]\nprot = 1\n")
+    assert json.loads(cli(user, "render", "claude").stdout)["policyHelper"]["path"].endswith(
+        "agentsandbox-policy-helper")
+    managed = tmp_path / "claude-code"
+    assert cli(user, "install", "--managed-dir", str(managed)).returncode == 0
+    broken = tmp_path / "machine.toml"
+    broken.write_text("[sandbox]\nread = 1\n")
+    for args in (("render", "claude"), ("install", "--managed-dir", str(managed))):
+        p = cli(user, args[0], "--config", str(broken), *args[1:])
+        assert p.returncode == EXIT_CONFIG, (p.stdout, p.stderr)
+        assert f"{broken}: sandbox.read" in p.stderr
 
 
 #: Every subcommand that loads the config, with arguments that get it as far as the load.
 LOADS_THE_CONFIG: list[tuple[str, ...]] = [
     ("config",),
-    ("render", "claude"),
+    ("render", "srt"),
     ("check", "read", "/etc/hosts"),
     ("check", "host", "example.org"),
-    ("install", "--managed-dir", "/nonexistent"),
     ("serve",),
     ("broker",),
     ("dispatch",),
@@ -103,7 +119,7 @@ def test_the_exit_status_of_a_config_error_is_in_the_help(user: User) -> None:
 
 def test_render_claude_and_srt(user: User) -> None:
     user.writeConfig('[sandbox]\nread = ["~/projects"]\n')
-    claude = json.loads(cli(user, "render", "claude").stdout)
+    claude = json.loads(cli(user, "render", "claude", "--config", str(user.configFile)).stdout)
     # PreToolUse runs the interpreter on hookstart.py, handing it the command; SessionStart runs it.
     assert claude["hooks"]["PreToolUse"][0]["hooks"][0]["args"][-2:] == ["/usr/bin/agentsandbox", "pretooluse"]
     assert claude["hooks"]["SessionStart"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
@@ -160,13 +176,14 @@ def test_check_host_says_which_sandboxed_clients_reach_an_address_entry(user: Us
 def test_install_into_a_managed_dir(user: User, tmp_path: Path) -> None:
     user.writeConfig('[sandbox]\nwrite = ["~/work"]\ndeny = ["~/work/scan"]\n')
     managed = tmp_path / "claude-code"
-    p = cli(user, "install", "--managed-dir", str(managed))
+    machine = ("--config", str(user.configFile))  # root's file, in a root-only temp dir
+    p = cli(user, "install", "--managed-dir", str(managed), *machine)
     assert p.returncode == 0, p.stderr
     drop = managed / "managed-settings.d/50-agentsandbox.json"
     assert p.stdout == f"installed {drop}\n"
-    assert drop.read_text() == cli(user, "render", "claude").stdout
+    assert drop.read_text() == cli(user, "render", "claude", *machine).stdout
     assert (user.home / "work/scan").is_dir(), "install creates the deny mount points"
-    again = cli(user, "install", "--managed-dir", str(managed))
+    again = cli(user, "install", "--managed-dir", str(managed), *machine)
     assert again.stdout == f"the drop-in {drop} is current\n"
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import claude, doctor, probes
-from tests.conftest import REPO, User
+from tests.conftest import REPO, MachineConfig, User
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 EXE = "/usr/bin/agentsandbox"
@@ -115,18 +115,26 @@ def test_srt_gets_a_settings_file_it_accepts(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- Claude Code
 
 
-def test_the_drop_in_installed_current_and_drifted(user: User, tmp_path: Path) -> None:
+def test_the_drop_in_is_held_to_the_machines_config_not_the_users(user: User, machineFile: MachineConfig,
+                                                                      tmp_path: Path) -> None:
     managed = str(tmp_path / "managed")
-    policy = user.policy()
-    c = doctor.checkDropIn(policy, managed)
+    env = user.env
+    c = doctor.checkDropIn(env, managed)
     assert c.status == doctor.FAIL and "is not installed" in c.detail
-    assert c.fix is not None and "agentsandbox install" in c.fix
+    assert c.fix is not None and c.fix.endswith("agentsandbox install") and "sudo /" in c.fix
+    assert "the built-in defaults" in c.fix
     os.makedirs(managed)
-    claude.install(policy, managed)
-    assert doctor.checkDropIn(policy, managed).status == doctor.OK
-    changed = user.policy('[sandbox]\nread = ["~/elsewhere"]\n')
-    c = doctor.checkDropIn(changed, managed)
-    assert c.status == doctor.FAIL and "differs from what the current config renders" in c.detail
+    claude.install(claude.machinePolicy(env), managed)
+    assert doctor.checkDropIn(env, managed).status == doctor.OK
+    # The user's own file never makes the drop-in differ: it reaches the
+    # sessions through the policy helper.
+    user.writeConfig('[sandbox]\nread = ["~/elsewhere"]\n')
+    assert doctor.checkDropIn(env, managed).status == doctor.OK
+    # The machine's does.
+    machineFile.write('[sandbox]\nread = ["~/projects"]\n')
+    c = doctor.checkDropIn(env, managed)
+    assert c.status == doctor.FAIL and "differs from what the machine's config renders" in c.detail
+    assert c.fix is not None and str(machineFile.path) in c.fix
 
 
 def test_address_entries_say_which_clients_need_the_proxy_set_by_hand(user: User) -> None:

@@ -14,7 +14,6 @@ import pytest
 
 from agentsandbox import claude, hook
 from agentsandbox.hook import cachedPolicy
-from agentsandbox.policy import Policy
 from tests.conftest import REPO, User
 
 
@@ -359,10 +358,7 @@ def test_sessionstart_narrows_no_proxy_to_the_loopback_not_listed(user: User, tm
 def test_sessionstart_says_nothing_when_the_drop_in_is_current(user: User, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     user.writeConfig("")
     managed = tmp_path / "managed"
-    from agentsandbox.config import load
-
-    policy = Policy.fromConfig(load(None, user.env), user.env)
-    claude.install(policy, str(managed))
+    claude.install(claude.machinePolicy(user.env), str(managed))
     monkeypatch.setattr("agentsandbox.claude.managedDir", lambda: str(managed))
     out, lines = sessionStart(user, tmp_path / "env.sh")
     assert out == ""

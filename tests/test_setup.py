@@ -347,18 +347,20 @@ def _unwritableManagedDir(tmp_path: Path) -> Path:
 
 
 def test_without_permission_setup_prints_the_one_root_command(machine: Machine, tmp_path: Path) -> None:
+    """The root command renders from the machine's config itself: nothing of the user's is staged."""
     before = machine.snapshot()
     managed = _unwritableManagedDir(tmp_path)
     p = machine.cli("setup", "--managed-dir", str(managed), "--no-doctor")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     i = next(n for n, line in enumerate(lines) if line.startswith("drop-in: no permission to write"))
+    assert "never from your file" in lines[i]
     command = lines[i + 1].strip()
-    assert command.startswith("sudo sh -c '") and command.count("sudo") == 1
-    assert f"{managed}/managed-settings.d/50-agentsandbox.json" in command
-    staged = Path(machine.paths.stateDir) / "staged"
-    assert str(staged / "50-agentsandbox.json") in command
-    assert str(staged / "50-agentsandbox.json") in machine.record["files"]  # type: ignore[operator]
+    assert command.startswith("sudo /") and command.endswith(f"agentsandbox install --managed-dir {managed}")
+    assert lines[i + 2].strip() == "it will change:"
+    assert f"+++ {managed}/managed-settings.d/50-agentsandbox.json (new)" in p.stdout
+    assert not (Path(machine.paths.stateDir) / "staged").exists()
+    assert not [f for f in machine.record["files"] if "staged" in f]  # type: ignore[attr-defined]
     p = machine.cli("uninstall")
     assert p.returncode == 0, p.stdout
     assert machine.snapshot() == before

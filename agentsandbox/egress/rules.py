@@ -157,6 +157,33 @@ class Entry:
             return own is not None and unwrapMapped(own) == unwrapMapped(ip)
         return False
 
+    def within(self, other: Entry) -> bool:
+        """Does ``other`` allow everything this entry allows?
+
+        How a user's entry is held to the machine's list (``machine.narrow``):
+        ``api.example.com`` is within ``*.example.com``, ``*.a.example.com``
+        within ``*.example.com``, ``10.0.0.0/24`` within ``10.0.0.0/8``, and a
+        portless entry only within a portless one.  ``*.example.com`` is not
+        within ``example.com`` (nor the other way round): a suffix entry never
+        matches its own apex.
+        """
+        if other.port is not None and other.port != self.port:
+            return False
+        if self.host is not None:
+            return other.matchesName(self.host, self.port or 0)
+        if self.suffix is not None:
+            return other.suffix is not None and (
+                self.suffix == other.suffix or self.suffix.endswith("." + other.suffix)
+            )
+        assert self.network is not None
+        if other.network is not None:
+            return self.network.version == other.network.version and self.network.subnet_of(
+                other.network  # type: ignore[arg-type]
+            )
+        if other.host is not None and self.network.num_addresses == 1:
+            return other.matchesName(str(self.network.network_address), self.port or 0)
+        return False
+
     def opensLoopback(self) -> bool:
         """An entry that would reach loopback; those need an explicit port."""
         if self.host is not None:
