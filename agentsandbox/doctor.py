@@ -624,6 +624,13 @@ def statusTable(data: Mapping[str, Any]) -> str:
     lines.append("service   " + ", ".join(head))
     if "spool" in data:
         lines.append(f"spool     {data['spool']}")
+    config = data.get("config")
+    if isinstance(config, dict):
+        lines.append(f"config    {config.get('served', '?')}")
+        for path, why in sorted((config.get("unwatched") or {}).items()):
+            lines.append(f"          not watched: {path}: {why}")
+        for notice in config.get("notices") or []:
+            lines.append(f"          not granted: {notice}")
     requests = data.get("requests")
     if isinstance(requests, dict):
         outcomes = sorted({o for per in requests.values() if isinstance(per, dict) for o in per})
@@ -651,7 +658,7 @@ def statusTable(data: Mapping[str, Any]) -> str:
             lines.append("tokens    no inject rules")
         for i, t in enumerate(tokens):
             lines.append(("tokens    " if i == 0 else "          ") + _describeToken(t))
-    known = {"pid", "uptime", "inFlight", "spool", "requests", "proxy", "tokens"}
+    known = {"pid", "uptime", "inFlight", "spool", "requests", "proxy", "tokens", "config"}
     rest = {k: v for k, v in data.items() if k not in known}
     if rest:
         lines.append("")

@@ -7,7 +7,8 @@ restart notice, the proxy's endpoint warning), one that decides per connection
 reads ``holder.current`` (the proxy, once per connection, so a reload changes
 the allow list and limits for new connections while open tunnels keep what
 they were granted).  Nobody pushes a config into a child.  The watcher reloads on
-inotify events for the config file and on SIGHUP.  A broken file keeps the old
+inotify events for the user's and the machine's config files (one appearing or
+going included) and on SIGHUP, and each reload finds the files again.  A broken file keeps the old
 config and logs the error with the file and the key (``ConfigError`` says
 both).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -65,13 +66,16 @@ _MASK = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE | _IN_MOVED_FRO
 
 
 class ConfigWatcher(Service):
-    """Reloads ``holder`` from ``path`` on inotify events and SIGHUP.
+    """Reloads ``holder`` on inotify events for any of ``paths`` and on SIGHUP.
 
-    ``loader`` reads and validates the file (default ``config.load(path)``);
-    events are coalesced over ``settle`` seconds of ``clock`` (default:
-    ``reactor``, which also reads inotify and hears the signal), so an editor's
-    write-then-rename reloads once, and a test advances a ``task.Clock``
-    instead of waiting.
+    ``paths`` are the files the config is made of, present or not (the user's
+    and the machine's: a file that appears or goes is followed too); each
+    reload runs ``loader``, which discovers the files again (default
+    ``config.load()``).  Events are coalesced over ``settle`` seconds of
+    ``clock`` (default: ``reactor``, which also reads inotify and hears the
+    signal), so an editor's write-then-rename reloads once, and a test
+    advances a ``task.Clock`` instead of waiting.  ``unwatched`` says which
+    files a change of would go unnoticed until SIGHUP, and why.
     """
 
     log = Logger(namespace="agentsandbox.reload")
@@ -79,7 +83,7 @@ class ConfigWatcher(Service):
     def __init__(
         self,
         holder: ConfigHolder,
-        path: str | None,
+        paths: str | Sequence[str] | None,
         reactor: Any,
         loader: Callable[[], Config] | None = None,
         settle: float = 0.2,
@@ -87,29 +91,41 @@ class ConfigWatcher(Service):
         clock: IReactorTime | None = None,
     ) -> None:
         self.holder = holder
-        self.path = path
+        self.paths: tuple[str, ...] = (
+            () if paths is None else (paths,) if isinstance(paths, str) else tuple(paths)
+        )
         self.reactor = reactor
         self.clock: IReactorTime = clock if clock is not None else reactor
         self.settle = settle
         self.handleSignal = handleSignal
-        self._loader = loader or self._loadFile
+        self._loader = loader or self._discover
         self._pending: IDelayedCall | None = None
         self._notifier: Any = None
         self._oldHandler: Any = None
+        #: Each watched directory's file names that matter.
+        self._names: dict[str, set[str]] = {}
+        #: File -> why a change of it is not seen until SIGHUP.
+        self.unwatched: dict[str, str] = {}
         self.reloads = 0
         self.failures = 0
 
-    def _loadFile(self) -> Config:
+    @property
+    def path(self) -> str | None:
+        """The first file watched (the user's), for the messages that name one."""
+        return self.paths[0] if self.paths else None
+
+    def _discover(self) -> Config:
         from agentsandbox.config import load
 
-        return load(self.path)
+        return load(None)
 
     def startService(self) -> None:
         super().startService()
-        if self.path is not None:
-            self._watch(self.path)
+        if self.paths:
+            self._watch(self.paths)
         if self.handleSignal:
             self._oldHandler = signal.signal(signal.SIGHUP, self._onSignal)
+        self.log.info("serving the config from {served}", served=self.holder.current.served)
 
     def stopService(self) -> None:
         if self._pending is not None and self._pending.active():
@@ -123,30 +139,39 @@ class ConfigWatcher(Service):
             self._oldHandler = None
         return super().stopService()  # type: ignore[no-any-return]
 
-    def _watch(self, path: str) -> None:
+    def _watch(self, paths: Sequence[str]) -> None:
         try:
             from twisted.internet import inotify
         except ImportError:
+            self.unwatched = {p: "no inotify here: SIGHUP reloads" for p in paths}
             self.log.warn("no inotify here: the config reloads on SIGHUP only")
             return
-        directory = os.path.dirname(os.path.abspath(path))
         try:
             notifier = inotify.INotify(reactor=self.reactor)
             notifier.startReading()
-            notifier.watch(FilePath(directory), mask=_MASK, callbacks=[self._onEvent])
-        except Exception as e:  # inotify limits, a missing directory: SIGHUP still works
-            self.log.warn(
-                "not watching {dir} ({why}): the config reloads on SIGHUP only",
-                dir=directory,
-                why=e,
-            )
+        except Exception as e:  # inotify limits: SIGHUP still works
+            self.unwatched = {p: f"inotify: {e}; SIGHUP reloads" for p in paths}
+            self.log.warn("not watching the config ({why}): it reloads on SIGHUP only", why=e)
             return
         self._notifier = notifier
+        for path in paths:
+            directory = os.path.dirname(os.path.abspath(path))
+            if directory not in self._names:
+                try:
+                    notifier.watch(FilePath(directory), mask=_MASK, callbacks=[self._onEvent])
+                except Exception as e:  # a missing directory: SIGHUP still works
+                    self.unwatched[path] = f"cannot watch {directory} ({e}); SIGHUP reloads"
+                    self.log.warn("not watching {dir} ({why}): a change of {file} is read on SIGHUP",
+                                  dir=directory, why=e, file=path)
+                    continue
+                self._names[directory] = set()
+            self._names[directory].add(os.path.basename(path))
 
     def _onEvent(self, _ignored: object, filepath: FilePath[Any], mask: int) -> None:
         # Twisted reports the path as bytes whatever we watched with.
         name = os.fsdecode(filepath.basename())
-        if self.path is not None and name == os.path.basename(self.path):
+        directory = os.fsdecode(filepath.dirname())
+        if name in self._names.get(directory, ()):
             self.schedule()
 
     def _onSignal(self, signum: int, frame: FrameType | None) -> None:
@@ -181,7 +206,21 @@ class ConfigWatcher(Service):
             return False
         self.reloads += 1
         self.holder.swap(config)
-        self.log.info("config reloaded after {why} from {source}", why=why, source=config.source)
+        self.log.info("config reloaded after {why} from {served}", why=why, served=config.served)
+        for notice in config.notices:
+            self.log.warn("not granted: {notice}", notice=notice)
         return True
+
+    def figures(self) -> dict[str, Any]:
+        """For ``status``: which files make the config, what is watched, what the machine left out."""
+        current = self.holder.current
+        return {
+            "served": current.served,
+            "watching": sorted(p for p in self.paths if p not in self.unwatched),
+            "unwatched": dict(self.unwatched),
+            "notices": list(current.notices),
+            "reloads": self.reloads,
+            "failures": self.failures,
+        }
 
 

@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
             configPath = None
         else:
             config = cli.loadConfig("serve", args.config)
-            configPath = None if config.source.startswith("<") else config.source
+            # The explicit --config, or None for the usual lookup, which each reload runs again.
+            configPath = args.config
         return _run(config, configPath, env, upstream)
     finally:
         if upstream is not None:

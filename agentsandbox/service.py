@@ -32,7 +32,7 @@ from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
-from agentsandbox.paths import locateDispatchSocket
+from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 
@@ -146,9 +146,14 @@ class AgentSandbox(MultiService):
         if watchConfig:
             # Reloads read the file with the service's environment (home, XDG
             # dirs), the one the first load used, not whatever the process has.
+            # configPath is the explicit --config (None: the usual lookup); both
+            # it and the machine's file are watched, present or not.
+            from agentsandbox import paths as where
+
+            userFile = configPath or locateConfig(None, self.environ) or Paths.fromEnvironment(self.environ).userConfig
             self.watcher: ConfigWatcher | None = ConfigWatcher(
                 self.holder,
-                configPath,
+                (userFile, where.SYSTEM_CONFIG),
                 reactor,
                 loader=lambda: load(configPath, self.environ),
                 handleSignal=handleSignals,
@@ -184,9 +189,16 @@ class AgentSandbox(MultiService):
             procDir=procDir,
             environ=self.environ,
             stopGrace=STOP_GRACE,
-            statusSources={"proxy": self.proxyFigures, "tokens": self.injection.tokenFigures},
+            statusSources={"proxy": self.proxyFigures, "tokens": self.injection.tokenFigures,
+                           "config": self.configFigures},
         )
         self.broker.setServiceParent(self)
+
+    def configFigures(self) -> dict[str, Any]:
+        if self.watcher is not None:
+            return self.watcher.figures()
+        current = self.holder.current
+        return {"served": current.served, "watching": [], "unwatched": {}, "notices": list(current.notices)}
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -42,7 +42,8 @@ def makeService(options: Options) -> IService:
         config = load(options["config"])
     except ConfigError as e:
         raise usage.UsageError(str(e)) from None
-    service = make(config, reactor=reactor, configPath=None if config.source.startswith("<") else config.source)
+    # The explicit --config, or None for the usual lookup, which each reload runs again.
+    service = make(config, reactor=reactor, configPath=options["config"])
     # A proxy that cannot listen stops the process (the service has said why),
     # so systemd's Restart=on-failure and the journal see it, rather than a
     # half-running service.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from agentsandbox.claude import HELPER_NAME
 from tests.support.claude_harness import (
     CANARY_ENV,
     MANAGED_ROOT,
@@ -242,16 +244,21 @@ def test_bash_cat_key_denied_by_sandbox(claude: ClaudeBinary, world: World, api:
 @pytest.mark.claude
 def test_broken_config_fails_closed(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
-    # The same Read that test_read_project_file_allowed shows allowed: with a
-    # config the hook cannot load it must be refused, not waved through.
+    """A config that cannot be loaded is no session: the policy helper exits 1 and Claude Code does not start.
+
+    It says why (our message, naming the file), and the model is never asked
+    anything.  The hook's own fail-closed refusal, for a config that breaks
+    mid-session, is tests/test_hook.py's.
+    """
     readme = str(world.project / "README.md")
     for config in (world.brokenConfig, world.base / "etc" / "missing.toml", world.base / "etc"):
-        run = play(claude, world, api, [ToolCall("Read", {"file_path": readme})],
-                   cwd=world.project, config=config)
-        outcome = run.outcomes[0]
-        assertRefused(outcome, run)
+        before = len(api.requests)
+        run = runClaude(claude.require(), [ToolCall("Read", {"file_path": readme})], cwd=world.project,
+                        env=world.claudeEnv(api, config), api=api)
+        assert not run.timedOut and run.returncode != 0, run.describe()
+        assert "policyHelper failed" in run.stderr and f"agentsandbox: {config}" in run.stderr, run.describe()
+        assert len(api.requests) == before, run.describe()
         assert PROJECT_TEXT not in run.everything, run.describe()
-        assert "agentsandbox" in outcome.text, f"not our hook's reason\n{run.describe()}"
 
 
 @pytest.mark.claude
@@ -269,12 +276,18 @@ def test_bash_env_has_no_credentials(claude: ClaudeBinary, world: World, api: Mo
 @pytest.mark.claude
 def test_get_settings_shows_drop_in(claude: ClaudeBinary, world: World, api: MockMessagesAPI,
                                     managed: dict[str, Any]) -> None:
+    """The session's managed settings are the policy helper's: the drop-in's lists, this user's homes closed."""
     settings = getSettings(claude.require(), cwd=world.project, env=world.claudeEnv(api))
     policy = [s for s in settings.get("sources", []) if s.get("source") == "policySettings"]
     assert policy, f"no policySettings source: {json.dumps(settings)[:2000]}"
-    expected = withoutKeys(managed, claude.ignoredKeys)
-    assert missingFrom(policy[0].get("settings"), expected) == []
-    assert missingFrom(settings.get("effective"), expected) == []
+    helper = subprocess.run([str(world.launcher.with_name(HELPER_NAME))], env=world.claudeEnv(api),
+                            capture_output=True, text=True, timeout=60, check=True)
+    session = json.loads(helper.stdout)["managedSettings"]
+    assert "policyHelper" not in policy[0].get("settings", {}), "the helper's output replaced the files'"
+    for expected in (withoutKeys(managed, claude.ignoredKeys | {"policyHelper"}),
+                     withoutKeys(session, claude.ignoredKeys)):
+        assert missingFrom(policy[0].get("settings"), expected) == []
+        assert missingFrom(settings.get("effective"), expected) == []
     effective = settings["effective"]
     assert effective["sandbox"]["enabled"] is True
     assert effective["sandbox"]["allowUnsandboxedCommands"] is False

@@ -170,7 +170,7 @@ class LiveReloadTests(TestCase):
     @deferredTest
     async def test_sighup(self) -> None:
         self.watcher.stopService()  # no inotify: only the signal can reload now
-        self.watcher.path = None
+        self.watcher.paths = ()
         self.watcher.startService()
         with open(self.path, "w") as f:
             f.write(domainsToml(["e.example.org"]))

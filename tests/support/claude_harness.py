@@ -38,6 +38,8 @@ from typing import IO, Any, NoReturn
 
 import pytest
 
+from agentsandbox.claude import HELPER_NAME
+
 from .mock_messages import MockMessagesAPI, ToolCall, scriptPrompt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -316,14 +318,19 @@ def _baseEnv(home: str) -> dict[str, str]:
 
 
 def writeLauncher(path: Path) -> Path:
-    """An ``agentsandbox`` executable for a checkout without a console script."""
-    path.write_text(
-        "#!/bin/sh\n"
-        f"PYTHONPATH={_shQuote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
-        "export PYTHONPATH\n"
-        f'exec {_shQuote(sys.executable)} -m agentsandbox "$@"\n'
-    )
-    path.chmod(0o755)
+    """An ``agentsandbox`` executable for a checkout without console scripts, and its policy helper beside it.
+
+    The drop-in names ``agentsandbox-policy-helper`` in the same directory as
+    ``agentsandbox`` (``claude.helperPath``), as a package's console scripts lie.
+    """
+    for target, module in ((path, "agentsandbox"), (path.with_name(HELPER_NAME), "agentsandbox.policyhelper")):
+        target.write_text(
+            "#!/bin/sh\n"
+            f"PYTHONPATH={_shQuote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            "export PYTHONPATH\n"
+            f'exec {_shQuote(sys.executable)} -m {module} "$@"\n'
+        )
+        target.chmod(0o755)
     return path
 
 
