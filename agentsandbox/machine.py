@@ -26,11 +26,12 @@ Stdlib only: the hook loads the config through this on a cache miss.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentsandbox.config import Config, ProxyConfig, SandboxConfig
+if TYPE_CHECKING:  # config.load calls narrow: the values come in, nothing is imported back
+    from agentsandbox.config import Config
 
 #: ``proxy`` keys that are the machine's alone: the port every sandbox dials and the dispatcher.
 MACHINE_PROXY_KEYS = ("port", "listen", "dispatch_socket", "dispatch_root")
@@ -74,7 +75,8 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
     keep = keptList("sandbox.keep_env", u.keep_env, _patternGrant(m.keep_env), m.keep_env)
     tools = keptList("sandbox.allow_tools", u.allow_tools, lambda t: t in m.allow_tools, m.allow_tools)
     runEnv = keptList("run.env", user.run.env, _patternGrant(machine.run.env), machine.run.env)
-    sandbox = SandboxConfig(
+    sandbox = replace(
+        m,
         read=read,
         write=write,
         deny=_union(m.deny, u.deny if "deny" in sandboxGiven else ()),
@@ -85,7 +87,8 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
     )
 
     proxyValues: dict[str, Any] = {}
-    for name in ProxyConfig.__dataclass_fields__:
+    for field in fields(machine.proxy):
+        name = field.name
         if name in MACHINE_PROXY_KEYS:
             if name in proxyGiven and getattr(user.proxy, name) != getattr(machine.proxy, name):
                 refused(f"proxy.{name}", getattr(user.proxy, name))
@@ -98,7 +101,7 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         source=user.source,
         machine=machine.source,
         sandbox=sandbox,
-        proxy=ProxyConfig(**proxyValues),
+        proxy=replace(machine.proxy, **proxyValues),
         inject=user.inject if "inject" in given else machine.inject,
         broker=user.broker if "broker" in given else machine.broker,
         scope=user.scope if "scope" in given else machine.scope,

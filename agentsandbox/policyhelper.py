@@ -32,14 +32,20 @@ from typing import Any
 from agentsandbox.paths import DROP_IN_NAME, managedDir
 
 
-def sessionSettings(environ: Mapping[str, str], managed: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    """(The session's managed settings, notes for stderr).  Raises ConfigError."""
+def sessionSettings(
+    environ: Mapping[str, str], managed: str | None = None, exe: str | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """(The session's managed settings, notes for stderr).  Raises ConfigError.
+
+    ``exe`` is the ``agentsandbox`` the hooks run: the one beside this helper
+    (``installationExe``), so the session's hooks are the drop-in's.
+    """
     from agentsandbox.claude import render
     from agentsandbox.config import load
     from agentsandbox.policy import Policy
 
     config = load(None, environ)
-    policy = Policy.fromConfig(config, environ)
+    policy = Policy.fromConfig(config, environ, exe=exe)
     policy.mountPoints()
     own = render(policy)
     notes = list(config.notices)
@@ -103,12 +109,23 @@ def mergeSettings(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, An
     return out
 
 
+def installationExe(argv0: str) -> str | None:
+    """The ``agentsandbox`` beside this helper, as Claude Code ran it (by the drop-in's absolute path)."""
+    from agentsandbox.claude import HELPER_NAME
+
+    if os.path.isabs(argv0) and os.path.basename(argv0) == HELPER_NAME:
+        beside = os.path.join(os.path.dirname(argv0), "agentsandbox")
+        if os.path.exists(beside):
+            return beside
+    return None
+
+
 def main() -> int:
     """Print ``{"managedSettings": …}``; on any failure say why and exit 1, so Claude Code does not start."""
     from agentsandbox.config import ConfigError
 
     try:
-        settings, notes = sessionSettings(os.environ)
+        settings, notes = sessionSettings(os.environ, exe=installationExe(sys.argv[0] if sys.argv else ""))
     except ConfigError as e:
         sys.stderr.write(
             f"agentsandbox: {e}. Claude Code starts once the config loads (`agentsandbox doctor` checks it).\n"

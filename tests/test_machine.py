@@ -294,3 +294,15 @@ def test_merge_follows_claude_codes_rule() -> None:
         {"a": ["x", 2, {"k": 1}], "o": {"q": [1, 2]}, "s": {"now": "object"}},
     )
     assert merged == {"a": [1, "x", {"k": 1}, 2, {"k": 1}], "o": {"p": 1, "q": [1, 2]}, "s": {"now": "object"}}
+
+
+def test_the_helper_names_the_agentsandbox_beside_it(tmp_path: Path) -> None:
+    """Claude Code runs the helper by the drop-in's absolute path: its hooks name the command beside it."""
+    helper = tmp_path / "bin" / claude.HELPER_NAME
+    helper.parent.mkdir()
+    helper.write_text("")
+    assert policyhelper.installationExe(str(helper)) is None  # no agentsandbox beside it
+    (tmp_path / "bin" / "agentsandbox").write_text("")
+    assert policyhelper.installationExe(str(helper)) == str(tmp_path / "bin" / "agentsandbox")
+    assert policyhelper.installationExe(claude.HELPER_NAME) is None
+    assert policyhelper.installationExe(str(tmp_path / "bin" / "other")) is None

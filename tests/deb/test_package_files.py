@@ -48,7 +48,7 @@ def test_the_man_page_documents_every_command() -> None:
     documented = set(re.findall(r"^\.B (\S+)", page, re.M))
     missing = [name for name in cli.COMMANDS if name.replace("-", "\\-") not in documented]
     assert not missing, f"agentsandbox.1 has no entry for {missing}"
-    for binary in ("agentsandbox", "agentsandbox-twistd"):
+    for binary in ("agentsandbox", "agentsandbox-twistd", "agentsandbox-policy-helper"):
         assert (DEBIAN / f"{binary}.1").exists()
         assert f"debian/{binary}.1" in (DEBIAN / "agentsandbox.manpages").read_text().split()
 

@@ -323,12 +323,16 @@ def writeLauncher(path: Path) -> Path:
     The drop-in names ``agentsandbox-policy-helper`` in the same directory as
     ``agentsandbox`` (``claude.helperPath``), as a package's console scripts lie.
     """
-    for target, module in ((path, "agentsandbox"), (path.with_name(HELPER_NAME), "agentsandbox.policyhelper")):
+    for target, module, exe in ((path, "agentsandbox", ""),
+                                (path.with_name(HELPER_NAME), "agentsandbox.policyhelper",
+                                 # its hooks name this launcher, as a console script's name the one beside it
+                                 f"AGENTSANDBOX_EXE=${{AGENTSANDBOX_EXE:-{_shQuote(str(path))}}}\nexport AGENTSANDBOX_EXE\n")):
         target.write_text(
             "#!/bin/sh\n"
             f"PYTHONPATH={_shQuote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
             "export PYTHONPATH\n"
-            f'exec {_shQuote(sys.executable)} -m {module} "$@"\n'
+            + exe
+            + f'exec {_shQuote(sys.executable)} -m {module} "$@"\n'
         )
         target.chmod(0o755)
     return path
