@@ -151,6 +151,12 @@ class AgentSandbox(MultiService):
             from agentsandbox import paths as where
 
             userFile = configPath or locateConfig(None, self.environ) or Paths.fromEnvironment(self.environ).userConfig
+            if configPath is None:
+                # The user's own config dir, so a file written there later is seen.
+                try:
+                    os.makedirs(os.path.dirname(userFile), mode=0o755, exist_ok=True)
+                except OSError:
+                    pass  # the watcher says it is not watched, and why
             self.watcher: ConfigWatcher | None = ConfigWatcher(
                 self.holder,
                 (userFile, where.SYSTEM_CONFIG),

@@ -193,3 +193,67 @@ class LiveReloadTests(TestCase):
         self.assertEqual(self.holder.current.proxy.max_tunnels, 7, "the reload")
         out = await exchange(h.port, b"CONNECT z.example.org:443 HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertIn(b"z.example.org does not resolve", out)  # allowed by name now; the test resolver knows no address
+
+
+class DiscoveryReloadTests(TestCase):
+    """Issue 24: the user's file appearing or going, and the machine's changing, are each followed."""
+
+    SETTLE = 0.2
+
+    def setUp(self) -> None:
+        from agentsandbox import paths
+
+        base = os.path.abspath(self.mktemp())
+        self.home = os.path.join(base, "home")
+        os.makedirs(os.path.join(self.home, ".config", "agentsandbox"))
+        self.user = os.path.join(self.home, ".config", "agentsandbox", "config.toml")
+        self.machine = os.path.join(base, "etc", "config.toml")
+        os.makedirs(os.path.dirname(self.machine))
+        with open(self.machine, "w") as f:
+            f.write(domainsToml(["a.example.org", "b.example.org"]))
+        self.patch(paths, "SYSTEM_CONFIG", self.machine)
+        self.env = {"HOME": self.home}
+        self.holder = ConfigHolder(load(None, self.env))
+        self.clock = WatchedClock()
+        self.watcher = ConfigWatcher(self.holder, (self.user, self.machine), reactor,
+                                     loader=lambda: load(None, self.env), settle=self.SETTLE,
+                                     handleSignal=False, clock=self.clock)
+        self.watcher.startService()
+        self.addCleanup(self.watcher.stopService)
+
+    async def changeAndSettle(self, change: Callable[[], None]) -> None:
+        scheduled = self.clock.nextCall()
+        change()
+        await scheduled
+        self.clock.advance(self.SETTLE * 2)
+
+    def write(self, path: str, text: str) -> Callable[[], None]:
+        def go() -> None:
+            with open(path, "w") as f:
+                f.write(text)
+        return go
+
+    @deferredTest
+    async def test_aUserFileThatAppearsIsServedAndOneThatGoesIsNot(self) -> None:
+        self.assertEqual(self.holder.current.sandbox.domains, ("a.example.org", "b.example.org"))
+        self.assertEqual(self.watcher.figures()["served"], f"{self.machine} (the machine's)")
+        await self.changeAndSettle(self.write(self.user, domainsToml(["a.example.org", "c.example.org"])))
+        self.assertEqual(self.holder.current.sandbox.domains, ("a.example.org",), "the new file, narrowed")
+        figures = self.watcher.figures()
+        self.assertEqual(figures["served"], f"{self.machine} (the machine's), narrowed by {self.user}")
+        self.assertEqual(len(figures["notices"]), 1)
+        self.assertIn("sandbox.domains[1] = 'c.example.org' is not granted", figures["notices"][0])
+        await self.changeAndSettle(self.write(self.machine, domainsToml(["a.example.org", "c.example.org"])))
+        self.assertEqual(self.holder.current.sandbox.domains, ("a.example.org", "c.example.org"), "the machine's edit")
+        await self.changeAndSettle(lambda: os.remove(self.user))
+        self.assertEqual(self.holder.current.served, f"{self.machine} (the machine's)", "the file gone")
+
+    def test_whatIsNotWatchedIsSaidWithWhy(self) -> None:
+        missing = os.path.join(self.home, "nowhere", "config.toml")
+        watcher = ConfigWatcher(self.holder, (missing, self.machine), reactor, handleSignal=False, clock=Clock())
+        watcher.startService()
+        self.addCleanup(watcher.stopService)
+        unwatched = watcher.figures()["unwatched"]
+        self.assertEqual(list(unwatched), [missing])
+        self.assertIn("SIGHUP reloads", unwatched[missing])
+        self.assertEqual(watcher.figures()["watching"], [self.machine])
