@@ -193,6 +193,8 @@ def test_the_installed_drop_in_is_the_renderers_output(package: Package) -> None
         "/usr/bin/agentsandbox", "pretooluse",
     ]
     assert settings["hooks"]["SessionStart"][0]["hooks"][0]["command"] == "/usr/bin/agentsandbox"
+    assert settings["policyHelper"] == {"path": "/usr/bin/agentsandbox-policy-helper"}
+    assert os.access("/usr/bin/agentsandbox-policy-helper", os.X_OK)
     assert "//run/user/*/agentsandbox/egress" in settings["sandbox"]["filesystem"]["allowRead"]
     # Nothing of root's home went in, and nothing was left there.
     assert "/root" not in text
@@ -230,14 +232,16 @@ class Person:
     def run(self, *argv: str, check: bool = True, **extra: str) -> subprocess.CompletedProcess[str]:
         return sh(list(argv), user=self.uid, env=self.env(**extra), cwd=str(self.home / "work"), check=check)
 
-    def writeConfig(self, allowedPort: int, proxyPort: int, dispatchSocket: Path) -> None:
-        """This user's own policy; the dispatcher's socket is not at its default path here."""
-        config = self.home / ".config" / "agentsandbox" / "config.toml"
-        config.parent.mkdir(parents=True)
-        config.write_text(
-            '[sandbox]\nwrite = ["~/work"]\n'
-            f'domains = ["127.0.0.1:{allowedPort}"]\n\n[proxy]\nport = {proxyPort}\n'
-            f'dispatch_socket = "{dispatchSocket}"\n'
+    @property
+    def configFile(self) -> Path:
+        return self.home / ".config" / "agentsandbox" / "config.toml"
+
+    def writeConfig(self, allowedPort: int, write: tuple[str, ...] = ("~/work",)) -> None:
+        """This user's own policy: one of the machine's two sites, and ``write`` (the machine grants ~/work)."""
+        self.configFile.parent.mkdir(parents=True, exist_ok=True)
+        self.configFile.write_text(
+            f"[sandbox]\nwrite = {json.dumps(list(write))}\n"
+            f'domains = ["127.0.0.1:{allowedPort}"]\n'
         )
 
 
@@ -307,25 +311,32 @@ def machine(package: Package) -> Iterator[Machine]:
     dispatcher: subprocess.Popen[bytes] | None = None
     try:
         port = freeLoopbackPort()
-        # An administrator's edit: the machine's port.  The drop-in names it,
-        # so doctor reports drift until `agentsandbox install` re-renders it.
-        CONFIG.write_text(CONFIG.read_text().replace("port = 3190", f"port = {port}"))
-        doctor = sh(["agentsandbox", "doctor", "--config", str(CONFIG), "--json"], check=False)
-        assert "differs from what the current config renders" in doctor.stdout, doctor.stdout
-        sh(["agentsandbox", "install", "--config", str(CONFIG)])
-        assert json.loads(DROP_IN.read_text())["sandbox"]["network"]["httpProxyPort"] == port
-
         for name in USERS:
             people[name] = _makeUser(name)
         ann, bob = people[USERS[0]], people[USERS[1]]
-        # The dispatcher as an unprivileged user (the unit uses DynamicUser), in the foreground.
         nobody = pwd.getpwnam("nobody")
         sockDir = logs / "dispatch"
         sockDir.mkdir(mode=0o755)
         os.chown(sockDir, nobody.pw_uid, nobody.pw_gid)
         sock = sockDir / "dispatch.sock"
-        ann.writeConfig(ann.site.port, port, sock)
-        bob.writeConfig(bob.site.port, port, sock)
+        # An administrator's edit of the machine's policy: the port, the
+        # dispatcher's socket (not at its default path here), ~/work writable
+        # and both users' sites reachable.  The drop-in names the port, so
+        # doctor reports drift until root's `agentsandbox install` re-renders it.
+        machineText = CONFIG.read_text().replace("port = 3190", f'port = {port}\ndispatch_socket = "{sock}"')
+        machineText = machineText.replace('write = []', 'write = ["~/work"]').replace(
+            'domains = ["github.com",',
+            f'domains = ["127.0.0.1:{ann.site.port}", "127.0.0.1:{bob.site.port}", "github.com",')
+        assert f"127.0.0.1:{bob.site.port}" in machineText and '"~/work"' in machineText
+        CONFIG.write_text(machineText)
+        doctor = sh(["agentsandbox", "doctor", "--json"], check=False)
+        assert "differs from what the machine's config renders" in doctor.stdout, doctor.stdout
+        sh(["agentsandbox", "install"])
+        assert json.loads(DROP_IN.read_text())["sandbox"]["network"]["httpProxyPort"] == port
+        # Each user narrows the machine's: their own site only.  Ann also asks
+        # for a directory the machine does not grant (left out, everywhere).
+        ann.writeConfig(ann.site.port, write=("~/work", "~/src/other"))
+        bob.writeConfig(bob.site.port)
         for person in people.values():
             _chownTree(person)
         dlog = logs / "dispatch.log"
@@ -418,16 +429,33 @@ def _claudeEnv(person: Person, baseURL: str) -> dict[str, str]:
     )
 
 
-def test_claude_code_merges_the_installed_drop_in(machine: Machine, claude: ClaudeBinary) -> None:
+def _helperOutput(person: Person, baseURL: str) -> dict[str, Any]:
+    out = sh(["/usr/bin/agentsandbox-policy-helper"], user=person.uid, env=_claudeEnv(person, baseURL),
+             cwd=str(person.home / "work"))
+    settings: dict[str, Any] = json.loads(out.stdout)["managedSettings"]
+    return settings
+
+
+def test_claude_code_gives_each_user_their_own_policy_through_the_helper(machine: Machine, claude: ClaudeBinary) -> None:
+    """Each user's session settings are the policy helper's for that user: same drop-in, two policies."""
     binary = claude.require()
-    ann = machine.people[USERS[0]]
-    with mockAPI() as api:
-        settings = getSettings(binary, cwd=ann.home / "work", env=_claudeEnv(ann, api.baseURL), user=ann.uid)
-    expected = withoutKeys(json.loads(DROP_IN.read_text()), claude.ignoredKeys)
-    policy = [s for s in settings.get("sources", []) if s.get("source") == "policySettings"]
-    assert policy, json.dumps(settings)[:2000]
-    assert missingFrom(policy[0].get("settings"), expected) == []
-    assert missingFrom(settings.get("effective"), expected) == []
+    seen: dict[str, list[str]] = {}
+    for person in machine.people.values():
+        with mockAPI() as api:
+            settings = getSettings(binary, cwd=person.home / "work", env=_claudeEnv(person, api.baseURL),
+                                   user=person.uid)
+            expected = withoutKeys(_helperOutput(person, api.baseURL), claude.ignoredKeys)
+        policy = [s for s in settings.get("sources", []) if s.get("source") == "policySettings"]
+        assert policy, json.dumps(settings)[:2000]
+        assert missingFrom(policy[0].get("settings"), expected) == []
+        assert missingFrom(settings.get("effective"), expected) == []
+        network = policy[0]["settings"]["sandbox"]["network"]
+        seen[person.name] = network["allowedDomains"]
+        assert network["httpProxyPort"] == machine.port
+        other = machine.other(person)
+        assert "/" + str(other.home) in policy[0]["settings"]["sandbox"]["filesystem"]["denyRead"]
+    ann, bob = (machine.people[u] for u in USERS)
+    assert seen == {ann.name: [f"127.0.0.1:{ann.site.port}"], bob.name: [f"127.0.0.1:{bob.site.port}"]}
 
 
 def test_a_claude_code_session_is_held_by_the_hook_and_the_sandbox(machine: Machine) -> None:
@@ -452,14 +480,116 @@ def test_a_claude_code_session_is_held_by_the_hook_and_the_sandbox(machine: Mach
     assert CANARY not in run.everything, run.describe()
 
 
+# --------------------------------------------------------------------------- one machine, each user's own config
+
+
+def _doctor(person: Person) -> dict[str, list[dict[str, Any]]]:
+    """doctor's checks by name (a name may repeat: one warning per wish left out)."""
+    checks: dict[str, list[dict[str, Any]]] = {}
+    for check in json.loads(person.run("agentsandbox", "doctor", "--json", check=False).stdout):
+        checks.setdefault(check["name"], []).append(check)
+    return checks
+
+
+def test_a_wish_the_machine_does_not_grant_is_left_out_in_all_four_places(machine: Machine) -> None:
+    """Ann's file asks for ~/src/other, which /etc/agentsandbox/config.toml does not grant."""
+    ann = machine.people[USERS[0]]
+    other = ann.home / "src" / "other"
+    said = ann.run("agentsandbox", "config").stdout
+    assert f"# effective config, from {CONFIG} (the machine's), narrowed by {ann.configFile}" in said, said
+    assert "# not granted: " in said and "sandbox.write[1]" in said and f"machine's config {CONFIG}" in said, said
+    # The hook's decision, the proxy service's view, run's sandbox:
+    check = ann.run("agentsandbox", "check", "write", str(other / "x"), check=False)
+    assert check.returncode == 1 and "sandbox.write" in check.stdout, check.stdout
+    status = ann.run("agentsandbox", "status").stdout
+    assert f"narrowed by {ann.configFile}" in status and "not granted:" in status, status
+    made = ann.run("agentsandbox", "run", "--", "sh", "-c", f"mkdir -p {other} && echo made", check=False)
+    assert "made" not in made.stdout and not other.exists(), made.stdout + made.stderr
+    # doctor warns about the wish and finds the machine's drop-in current.
+    checks = _doctor(ann)
+    wishes = checks.get("config: not granted", [])
+    assert [c["status"] for c in wishes] == ["warn"] and "sandbox.write[1]" in wishes[0]["detail"], checks
+    assert checks["Claude Code drop-in"][0]["status"] == "ok", checks["Claude Code drop-in"]
+    # Claude Code's Bash (the helper's settings) and Write (the hook) agree.
+    calls = [ToolCall("Bash", {"command": f"mkdir -p {other} && echo made"}),
+             ToolCall("Write", {"file_path": str(other / "w.txt"), "content": "x\n"}),
+             ToolCall("Bash", {"command": "mkdir -p ~/work/ok && echo made-ok"})]
+    with mockAPI() as api, tempLeftoversRemoved():
+        run = runClaude(pinnedClaude().require(), calls, cwd=ann.home / "work", env=_claudeEnv(ann, api.baseURL),
+                        api=api, user=ann.uid)
+    assert not run.timedOut and len(run.outcomes) == len(calls), run.describe()
+    bash, write, ok = run.outcomes
+    assert "made" not in bash.text.replace("made-ok", ""), run.describe()
+    assert write.isError and "agentsandbox" in write.text, run.describe()
+    assert "made-ok" in ok.text, run.describe()
+    assert not other.exists(), run.describe()
+
+
+def test_a_user_whose_config_only_narrows_gets_a_clean_doctor_and_a_silent_banner(machine: Machine) -> None:
+    bob = machine.people[USERS[1]]
+    checks = _doctor(bob)
+    assert "config: not granted" not in checks, checks
+    assert checks["config"][0]["status"] == "ok" and f"narrowed by {bob.configFile}" in checks["config"][0]["detail"]
+    assert checks["Claude Code drop-in"][0]["status"] == "ok", checks["Claude Code drop-in"]
+    envFile = bob.home / "session.env"
+    banner = bob.run("agentsandbox", "hook", "sessionstart", CLAUDE_ENV_FILE=str(envFile))
+    assert banner.stdout == "", banner.stdout
+    envFile.unlink()
+
+
+def test_no_command_copies_a_users_file_into_etc(machine: Machine) -> None:
+    """The first defect's attack has nothing to work with: no staged file, no root line that copies one."""
+    ann = machine.people[USERS[0]]
+    before = DROP_IN.read_bytes()
+    p = ann.run("agentsandbox", "install", check=False)
+    assert p.returncode == 0 and "is current" in p.stdout, p.stdout  # the machine's drop-in, already rendered
+    ann.configFile.write_text(ann.configFile.read_text() + '\n[proxy]\nmax_tunnels = 7\n')
+    elsewhere = "/etc/agentsandbox-test-managed"  # a managed dir ann cannot write
+    p = ann.run("agentsandbox", "install", "--managed-dir", elsewhere, check=False)
+    sudo = [line.strip() for line in p.stdout.splitlines() if "sudo" in line]
+    assert p.returncode == 1 and sudo == [f"sudo /usr/bin/agentsandbox install --managed-dir {elsewhere}"], p.stdout
+    assert not os.path.exists(elsewhere)
+    assert not list(ann.home.rglob("staged")), "nothing is staged for root to copy"
+    refused = ann.run("agentsandbox", "install", "--config", str(ann.configFile), check=False)
+    assert refused.returncode == 2 and "root owns" in refused.stderr, refused.stderr
+    # Root's render reads /etc/agentsandbox/config.toml alone, whatever a user's file says.
+    sh(["agentsandbox", "install"])
+    assert DROP_IN.read_bytes() == before
+    assert str(ann.home) not in before.decode()
+
+
+def test_neither_users_agent_can_read_the_others_home(machine: Machine) -> None:
+    """A 0755 home (what many admins give) is closed to the other user's agent in all three places."""
+    ann, bob = (machine.people[u] for u in USERS)
+    secret = bob.home / "notes.txt"
+    secret.write_text(f"bob's notes {CANARY}-BOB\n")
+    os.chown(secret, bob.uid, bob.gid)
+    secret.chmod(0o644)
+    bob.home.chmod(0o755)
+    try:
+        assert CANARY in ann.run("cat", str(secret)).stdout, "Unix permissions alone let ann read it"
+        check = ann.run("agentsandbox", "check", "read", str(secret), check=False)
+        assert check.returncode == 1, check.stdout
+        cat = ann.run("agentsandbox", "run", "--", "cat", str(secret), check=False)
+        assert f"{CANARY}-BOB" not in cat.stdout, cat.stdout
+        calls = [ToolCall("Read", {"file_path": str(secret)}), ToolCall("Bash", {"command": f"cat {secret}"})]
+        with mockAPI() as api, tempLeftoversRemoved():
+            run = runClaude(pinnedClaude().require(), calls, cwd=ann.home / "work",
+                            env=_claudeEnv(ann, api.baseURL), api=api, user=ann.uid)
+        assert not run.timedOut and len(run.outcomes) == len(calls), run.describe()
+        read, bash = run.outcomes
+        assert read.isError and f"{CANARY}-BOB" not in bash.text, run.describe()
+        assert f"{CANARY}-BOB" not in run.everything, run.describe()
+    finally:
+        bob.home.chmod(0o700)
+
+
 # --------------------------------------------------------------------------- upgrade and removal
 
 
 def test_an_upgrade_keeps_the_edited_config_and_re_renders_the_drop_in(package: Package) -> None:
     assert DEB_UPGRADE, "scripts/test-deb names the second build in AGENTSANDBOX_DEB_UPGRADE"
-    edited = CONFIG.read_text().replace(
-        'domains = ["github.com",', 'domains = ["upgrade.example.org", "github.com",'
-    )
+    edited = CONFIG.read_text().replace('domains = [', 'domains = ["upgrade.example.org", ', 1)
     assert "upgrade.example.org" in edited
     CONFIG.write_text(edited)
     package.apt(DEB_UPGRADE)
