@@ -104,6 +104,7 @@ in
 
     settings = settingsLib.option {
       inherit tomlFormat;
+      machine = false;
       description = ''
         Written to {file}`$XDG_CONFIG_HOME/agentsandbox/config.toml`. On a machine with
         {file}`/etc/agentsandbox/config.toml` (the NixOS module's, the .deb's) that file bounds

@@ -505,7 +505,8 @@ def test_hm_config_file_and_unit(hmEval: dict[str, Any]) -> None:
     entry = hmEval["configFile"]["agentsandbox/config.toml"]
     assert entry["target"] == ".config/agentsandbox/config.toml"
     value = entry["source"]["env"]["generated"]["value"]
-    assert value == {**SETTINGS, "proxy": {"port": 3190}}
+    # No proxy.port unless set: it is the machine's where /etc has a config.
+    assert value == SETTINGS
     assert loaderError(value) is None
     assert hmEval["failedAssertions"] == []
     assert hmEval["homePackages"] == [pkg]
@@ -681,6 +682,30 @@ def test_hm_asserts_the_loaders_own_words(what: str, settings: dict[str, Any]) -
     expected = loaderError(settings)
     failed = hm({"settings": settings})["failedAssertions"]
     assert failed == [f"services.agentsandbox.settings: {expected} (agentsandbox's config loader refuses this)"]
+
+
+def test_hm_leaves_the_port_to_the_machine(tmp_path: Path) -> None:
+    """A user's file names no proxy.port unless they set one: under a machine config it is the machine's alone."""
+    from agentsandbox.config import load
+
+    user = hm({"settings": {"sandbox": {"write": ["~/src"]}}})["configFile"]["agentsandbox/config.toml"]
+    value = user["source"]["env"]["generated"]["value"]
+    assert "proxy" not in value
+    home = tmp_path / "home" / "alice"
+    writeTOML(home / ".config" / "agentsandbox" / "config.toml", value)
+    machine = writeTOML(tmp_path / "etc" / "config.toml", nixos({"settings": {"proxy": {"port": 4100}, "sandbox": {"write": ["~/src"]}}})["etc"]["agentsandbox/config.toml"]["source"]["value"])
+    env = {"HOME": str(home), "XDG_RUNTIME_DIR": "/run/user/1000"}
+    effective = load(None, env, str(machine))
+    assert effective.proxy.port == 4100 and effective.notices == ()
+    # Set, it is written, and a machine with another port leaves it out with a notice.
+    own = hm({"settings": {"proxy": {"port": 3190}}})["configFile"]["agentsandbox/config.toml"]["source"]
+    assert own["env"]["generated"]["value"] == {"proxy": {"port": 3190}}
+    writeTOML(home / ".config" / "agentsandbox" / "config.toml", own["env"]["generated"]["value"])
+    effective = load(None, env, str(machine))
+    assert effective.proxy.port == 4100 and len(effective.notices) == 1 and "proxy.port = 3190" in effective.notices[0]
+    error = evaluationError("eval-hm.nix", {"enable": True, "settings": {"proxy": {"port": 0}}})
+    assert "services.agentsandbox.settings.proxy.port' is not of type `null or integer between 1 and 65535" in error, error
+    print("checked: home-manager writes proxy.port only when set; under a machine config at 4100 the user's file loads without a notice")
 
 
 def test_hm_mistyped_setting_fails_with_the_option_named() -> None:
