@@ -1,7 +1,13 @@
 # services.agentsandbox for home-manager: one user's config, their systemd
-# user service, git's signing programs on request, and the Claude Code
-# drop-in rendered from the same config (installing it needs root: the
-# activation prints the one command).
+# user service, and git's signing programs on request.
+#
+# No Claude Code drop-in: the one in /etc/claude-code serves every user of the
+# machine, so it is rendered by root from the machine's config alone (the
+# NixOS module, the .deb, or `sudo agentsandbox install`), never from a file
+# a user can write.  It names agentsandbox's policy helper, which Claude Code
+# runs as each session's user: that is how this user's config reaches their
+# sessions.  The activation checks such a drop-in is there and names a helper
+# that exists, and if not, prints the one root command that renders it.
 #
 # `services.` rather than `programs.`: home-manager names a module after the
 # daemon it runs (services.gpg-agent, services.syncthing, services.spotifyd),
@@ -30,22 +36,36 @@ let
   tomlFormat = pkgs.formats.toml { };
 
   settings = settingsLib.clean cfg.settings;
-  configFile = tomlFormat.generate "agentsandbox-config.toml" settings;
+  generated = tomlFormat.generate "agentsandbox-config.toml" settings;
+  # The same file, once the package's loader has taken it: a config it
+  # refuses fails the build with the loader's own `KEY: WHY`, not the policy
+  # helper at the next Claude Code start (which then does not start).  The
+  # build has no machine config, so this checks the file itself; where
+  # /etc/agentsandbox/config.toml exists it narrows the file at run time.
+  configFile =
+    pkgs.runCommand "agentsandbox-config.toml"
+      {
+        inherit generated;
+        preferLocalBuild = true;
+        allowSubstitutes = false;
+      }
+      ''
+        export HOME="$TMPDIR/home" XDG_RUNTIME_DIR=/run/user/65534
+        unset XDG_CONFIG_HOME XDG_STATE_HOME CLAUDE_CONFIG_DIR AGENTSANDBOX_CONFIG
+        ${cfg.package}/bin/agentsandbox config --config "$generated" > /dev/null
+        cp "$generated" "$out"
+      '';
 
   home = config.home.homeDirectory;
   configTarget = "${config.xdg.configHome}/agentsandbox/config.toml";
-  # Where the loader will find the file, as the drop-in's renderer must see it.
-  configPath =
-    if lib.hasPrefix "${home}/" configTarget then "~/${lib.removePrefix "${home}/" configTarget}" else configTarget;
 
-  dropIn = import ./dropin.nix {
-    inherit (pkgs) runCommand;
-    package = cfg.package;
-  } { config = configFile; inherit configPath; };
-  dropInName = "agentsandbox/managed-settings.d/50-agentsandbox.json";
-  managedTarget = "/etc/claude-code/managed-settings.d/50-agentsandbox.json";
+  # Claude Code reads the .d directory only beside the base file.
   managedBase = "/etc/claude-code/managed-settings.json";
-  emptyBase = builtins.toFile "managed-settings.json" "{}\n";
+  managedTarget = "/etc/claude-code/managed-settings.d/50-agentsandbox.json";
+  jq = lib.getExe pkgs.jq;
+  # Renders from /etc/agentsandbox/config.toml, or the built-in defaults
+  # without one; never from this user's file.
+  installCommand = "sudo ${cfg.package}/bin/agentsandbox install";
 
   subst = units.substitute {
     package = cfg.package;
@@ -79,15 +99,21 @@ in
       type = types.package;
       default = pkgs.agentsandbox or (pkgs.callPackage ./package.nix { });
       defaultText = lib.literalExpression "pkgs.agentsandbox or (pkgs.callPackage ./package.nix { })";
-      description = "The agentsandbox package. Its renderer renders the drop-in; it runs the service.";
+      description = "The agentsandbox package. It runs the service; the activation names its `install` when the machine has no drop-in.";
     };
 
     settings = settingsLib.option {
       inherit tomlFormat;
+      machine = false;
       description = ''
-        Written to {file}`$XDG_CONFIG_HOME/agentsandbox/config.toml`, which wins over
-        {file}`/etc/agentsandbox/config.toml`. See docs/config.md for every key. The file is
-        in the world-readable Nix store: name token sources, never tokens.
+        Written to {file}`$XDG_CONFIG_HOME/agentsandbox/config.toml`. On a machine with
+        {file}`/etc/agentsandbox/config.toml` (the NixOS module's, the .deb's) that file bounds
+        this one: these settings can only narrow it, and set what is this user's by nature
+        (inject rules, broker commands); a wish it does not grant is left out with a notice
+        (`agentsandbox doctor` shows each). They reach this user's Claude Code sessions through
+        the policy helper the machine's drop-in names, and their hook, proxy and `run` directly.
+        See docs/config.md for every key. The file is in the world-readable Nix store: name
+        token sources, never tokens.
       '';
     };
 
@@ -130,7 +156,7 @@ in
 
         warnings =
           map (
-            key: "services.agentsandbox.settings.${key} is not a key this module knows; agentsandbox's config loader refuses unknown keys (the drop-in's build will fail on it unless the package is newer than this module)"
+            key: "services.agentsandbox.settings.${key} is not a key this module knows; agentsandbox's config loader refuses unknown keys (the config file's build will fail on it unless the package is newer than this module)"
           ) (settingsLib.unknownKeys settings)
           ++ lib.optional (cfg.git.signing && !(config.programs.git.enable or false)) "services.agentsandbox.git.signing sets programs.git's config, which has no effect while programs.git.enable is false";
 
@@ -138,18 +164,27 @@ in
 
         xdg.configFile."agentsandbox/config.toml".source = configFile;
 
-        # Root alone may write /etc/claude-code; the rendered file waits here.
-        xdg.dataFile.${dropInName}.source = dropIn;
-
+        # The machine's drop-in is root's (rendered from the machine's config,
+        # never this user's); this user's config reaches their sessions through
+        # the policy helper it names.  Check both are there; say the one root
+        # command when not.
         home.activation.agentsandboxDropIn = lib.hm.dag.entryAfter [ "linkGeneration" ] ''
-          if ! cmp -s ${dropIn} ${managedTarget} 2>/dev/null; then
-            echo "agentsandbox: ${managedTarget} is not what this configuration renders; install it as root:"
-            if [ -e ${managedBase} ]; then
-              echo "  sudo install -D -m 0644 ${dropIn} ${managedTarget}"
-            else
-              echo "  sudo sh -c 'install -D -m 0644 ${dropIn} ${managedTarget} && install -m 0644 ${emptyBase} ${managedBase}'"
-            fi
+          agentsandboxWhy=""
+          if [ ! -e ${managedTarget} ]; then
+            agentsandboxWhy="${managedTarget} is not installed"
+          elif ! agentsandboxHelper=$(${jq} -er '.policyHelper.path | strings' ${managedTarget} 2>/dev/null); then
+            agentsandboxWhy="${managedTarget} names no policy helper (it predates the helper, or is not agentsandbox's)"
+          elif [ ! -x "$agentsandboxHelper" ]; then
+            agentsandboxWhy="${managedTarget} names the policy helper $agentsandboxHelper, which is not there (a collected store path?), so Claude Code does not start"
+          elif [ ! -e ${managedBase} ]; then
+            agentsandboxWhy="${managedBase} is missing, so Claude Code reads no drop-in"
           fi
+          if [ -n "$agentsandboxWhy" ]; then
+            echo "agentsandbox: $agentsandboxWhy. Root renders the machine's drop-in from /etc/agentsandbox/config.toml (or the built-in defaults without one), never from your file:"
+            echo "  ${installCommand}"
+            echo "agentsandbox: your own ${configTarget} then reaches your Claude Code sessions through the policy helper the drop-in names."
+          fi
+          unset agentsandboxWhy agentsandboxHelper
         '';
 
         systemd.user.services.agentsandbox = {

@@ -1,6 +1,7 @@
 # services.agentsandbox for NixOS: the machine's policy in /etc, the Claude Code
-# drop-in rendered from it, the dispatcher that gives every user the one proxy
-# port, and the per-user service in every user's systemd manager.
+# drop-in rendered from it (naming the package's policy helper, which gives
+# each session its own user's policy), the dispatcher that gives every user
+# the one proxy port, and the per-user service in every user's systemd manager.
 {
   config,
   lib,
@@ -94,16 +95,19 @@ in
       type = types.package;
       default = pkgs.agentsandbox or (pkgs.callPackage ./package.nix { });
       defaultText = lib.literalExpression "pkgs.agentsandbox or (pkgs.callPackage ./package.nix { })";
-      description = "The agentsandbox package. Its renderer renders the drop-in; its units run the services.";
+      description = "The agentsandbox package. Its renderer renders the drop-in, which names its policy helper; its units run the services.";
     };
 
     settings = settingsLib.option {
       inherit tomlFormat;
       description = ''
-        The machine's agentsandbox config, written to {file}`/etc/agentsandbox/config.toml`
-        (every user's config unless they have {file}`~/.config/agentsandbox/config.toml`).
-        See docs/config.md for every key. The file is in the world-readable Nix store: name
-        token sources (`token_command`, `token_file`, `token_env`), never tokens.
+        The machine's agentsandbox config, written to {file}`/etc/agentsandbox/config.toml`,
+        and the one file the Claude Code drop-in is rendered from. It bounds every user's: a
+        user's own {file}`~/.config/agentsandbox/config.toml` can only narrow it (and set what
+        is theirs by nature, such as their inject rules), and reaches their sessions through
+        the policy helper the drop-in names. See docs/config.md for every key. The file is in
+        the world-readable Nix store: name token sources (`token_command`, `token_file`,
+        `token_env`), never tokens.
       '';
     };
 
@@ -178,6 +182,7 @@ in
     environment.systemPackages = [ cfg.package ];
 
     environment.etc."agentsandbox/config.toml".source = configFile;
+    # Rendered from the file above alone; it names ${package}/bin/agentsandbox-policy-helper.
     environment.etc."claude-code/managed-settings.d/50-agentsandbox.json".source = dropIn;
     # `agentsandbox install` creates the base file when it is missing; so does this.
     environment.etc."claude-code/managed-settings.json".text = mkDefault "{}\n";

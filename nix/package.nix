@@ -51,7 +51,10 @@ let
     # policy.executable() would otherwise find the profile's symlink
     # (/run/current-system/sw/bin/agentsandbox) rather than this store path,
     # and the drop-in rendered at build time would differ from what the
-    # SessionStart hook renders for its drift check.
+    # SessionStart hook renders for its drift check.  Every console script
+    # gets it, agentsandbox-policy-helper included: the settings it prints
+    # for each session name their hooks' command by it (from the helper
+    # itself, policy.executable() would guess the interpreter's directory).
     makeWrapperArgs = [
       "--set-default"
       "AGENTSANDBOX_EXE"
@@ -80,6 +83,12 @@ let
     # plain scripts: git's gpg.program and gpg.ssh.program take one path each,
     # not a command with a subcommand.
     postFixup = ''
+      # The drop-in names bin/agentsandbox-policy-helper (a console script in
+      # pyproject.toml); Claude Code does not start without it.
+      test -x $out/bin/agentsandbox-policy-helper || {
+        echo "bin/agentsandbox-policy-helper is missing: the drop-in names it" >&2
+        exit 1
+      }
       for pair in gpg:gpg ssh-sign:ssh-sign; do
         name=''${pair%%:*} sub=''${pair#*:}
         printf '#!%s\nexec %s %s "$@"\n' ${runtimeShell} $out/bin/agentsandbox $sub \
@@ -126,10 +135,11 @@ let
     pythonImportsCheck = [
       "agentsandbox"
       "agentsandbox.service"
+      "agentsandbox.policyhelper"
     ];
 
     passthru = {
-      # The drop-in for a config file: see nix/dropin.nix.
+      # The machine's drop-in for a machine config file: see nix/dropin.nix.
       claudeDropIn = import ./dropin.nix {
         inherit runCommand;
         package = agentsandbox;

@@ -6,8 +6,9 @@
 # the loader's own defaults apply (a module that wrote them out would freeze
 # today's defaults into every config).  What Nix cannot decide (host names
 # through IDNA, CIDR blocks, symlinks on the target machine, regular
-# expressions) is still refused at build time: the drop-in derivation runs the
-# package's own loader on the generated file, and fails with its message.
+# expressions) is still refused at build time: the NixOS drop-in's derivation
+# and home-manager's config file's run the package's own loader on the
+# generated file, and fail with its message.
 { lib }:
 let
   inherit (lib)
@@ -400,11 +401,32 @@ in
 {
   inherit clean normpath;
 
-  # The settings option, given nixpkgs' TOML format.
+  # The settings option, given nixpkgs' TOML format.  `machine = false` (a
+  # user's file, home-manager): proxy.port is unset by default, because where
+  # /etc/agentsandbox/config.toml exists the port is the machine's alone and a
+  # differing one is a notice on every load; the loader's default is 3190.
   option =
-    { tomlFormat, description }:
+    {
+      tomlFormat,
+      description,
+      machine ? true,
+    }:
+    let
+      declared = schema tomlFormat.type;
+      userPort = {
+        proxy.port = opt (types.ints.between 1 65535) ''
+          The loopback port every sandbox dials. Unset: the machine's
+          ({file}`/etc/agentsandbox/config.toml`, whose port is the only one used where it
+          exists), else 3190.
+        '';
+      };
+    in
     mkOption {
-      type = table tomlFormat.type (toOptions tomlFormat.type "" (schema tomlFormat.type));
+      type = table tomlFormat.type (
+        toOptions tomlFormat.type "" (
+          if machine then declared else lib.recursiveUpdateUntil (_: old: _: isOption old) declared userPort
+        )
+      );
       default = { };
       inherit description;
     };

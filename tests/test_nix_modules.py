@@ -7,11 +7,16 @@ that JSON is checked against the package itself:
 
 - the config file each module generates is written as TOML and loaded by the
   real loader (``agentsandbox.config``);
-- the drop-in each module installs comes from ``nix/dropin.nix``; its build
-  script, as the module instantiated it, is run with this checkout's
-  ``agentsandbox`` where the package's store path stands, and its output must
-  equal ``python -m agentsandbox render claude`` run the way a user's session
-  renders it (the SessionStart hook's drift check);
+- the drop-in the NixOS module installs comes from ``nix/dropin.nix``; its
+  build script, as the module instantiated it, is run with this checkout's
+  console scripts where the package's store path stands, and its output must
+  equal ``agentsandbox render claude --config`` of the machine's file as each
+  user runs it (a user's own config never reaches it), naming the package's
+  ``agentsandbox-policy-helper``;
+- the home-manager module installs no drop-in and builds nothing bound for
+  /etc from the user's settings: its activation checks the machine's drop-in
+  names a policy helper and otherwise prints ``sudo …/agentsandbox install``;
+  its config file is built by running the package's loader on it;
 - the units must carry every directive of the units shipped in
   agentsandbox/data/, with store paths only where the contract allows;
 - every refusal the modules assert must be a refusal of the loader, with the
@@ -153,22 +158,33 @@ def writeTOML(path: Path, value: dict[str, Any]) -> Path:
 # --------------------------------------------------------------------------- the package
 
 
+def consoleScripts() -> dict[str, str]:
+    """pyproject.toml's console scripts, ``name -> module:function``: what the package's bin/ has."""
+    scripts: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    return scripts
+
+
 class Package:
-    """This checkout standing where the package's store path was."""
+    """This checkout standing where the package's store path was: a bin/ with every console script."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         bindir = root / "bin"
         bindir.mkdir(parents=True)
-        for name, module in (("agentsandbox", "agentsandbox"), ("agentsandbox-twistd", "agentsandbox.tap")):
+        for name, entry in consoleScripts().items():
+            module, _, function = entry.partition(":")
             script = bindir / name
-            entry = "-m agentsandbox" if module == "agentsandbox" else "-c 'import sys; from agentsandbox.tap import runTwistd; sys.exit(runTwistd())'"
-            script.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} {entry} "$@"\n')
+            code = f"import sys; from {module} import {function}; sys.exit({function}())"
+            script.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -c "{code}" "$@"\n')
             script.chmod(0o755)
 
     @property
     def exe(self) -> str:
         return str(self.root / "bin" / "agentsandbox")
+
+    @property
+    def helper(self) -> str:
+        return str(self.root / "bin" / "agentsandbox-policy-helper")
 
 
 @pytest.fixture
@@ -176,18 +192,23 @@ def package(tmp_path: Path) -> Package:
     return Package(tmp_path / "package")
 
 
-def runDropInScript(script: str, subst: dict[str, str], work: Path) -> bytes:
-    """Run the drop-in derivation's builder as Nix would: clean env, $out, $TMPDIR."""
+def runBuilder(
+    script: str, subst: dict[str, str], work: Path, extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a runCommand's script as Nix would: clean env, $out, $TMPDIR (and its env attributes)."""
     for old, new in subst.items():
         assert old in script, (old, script)
         script = script.replace(old, new)
     build = work / "build"
     build.mkdir(parents=True)
-    out = work / "out.json"
-    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(build), "out": str(out), "HOME": "/homeless-shelter"}
-    p = subprocess.run(["bash", "-euc", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(build), "out": str(work / "out"), "HOME": "/homeless-shelter", **(extra or {})}
+    return subprocess.run(["bash", "-euc", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def runDropInScript(script: str, subst: dict[str, str], work: Path) -> bytes:
+    p = runBuilder(script, subst, work)
     assert p.returncode == 0, p.stderr
-    return out.read_bytes()
+    return (work / "out").read_bytes()
 
 
 def renderAsUser(package: Package, home: Path, config: Path | None) -> bytes:
@@ -257,6 +278,12 @@ SETTINGS: dict[str, Any] = {
 }
 
 
+# A user's own config, wider (a domain, a write path) and narrower than SETTINGS.
+ALICE_OWN: dict[str, Any] = {
+    "sandbox": {"write": ["~/alice-only"], "domains": ["github.com", "alice.example.org"], "deny": ["~/src/secret"]},
+}
+
+
 # =========================================================================== NixOS
 
 
@@ -285,20 +312,38 @@ def test_nixos_dropin_is_what_the_renderer_gives_every_user(
     dropIn = nixosEval["etc"]["claude-code/managed-settings.d/50-agentsandbox.json"]["source"]
     toml = writeTOML(tmp_path / "etc" / "config.toml", config["value"])
     script = dropIn["script"]
-    # The module hands the package's renderer the very file it installs in /etc.
-    assert "render claude --config \"$target\"" in script and f"target={config['path']}" in script
-    built = runDropInScript(script, {nixosEval["package"]: str(package.root), config["path"]: str(toml)}, tmp_path)
+    pkg = nixosEval["package"]
+    # The module hands the package's renderer the very file it installs in /etc, and nothing else.
+    assert f"{pkg}/bin/agentsandbox render claude --config {config['path']} > \"$out\"" in script
+    assert f"AGENTSANDBOX_EXE={pkg}/bin/agentsandbox" in script
+    built = runDropInScript(script, {pkg: str(package.root), config["path"]: str(toml)}, tmp_path)
     for user in ("alice", "bob"):
         home = tmp_path / "home" / user
         assert built == renderAsUser(package, home, toml), user
+    # A user's own config never reaches the machine's drop-in: alice's, wider
+    # and narrower than the machine's, renders the same file.
+    alice = tmp_path / "home" / "alice"
+    writeTOML(alice / ".config" / "agentsandbox" / "config.toml", ALICE_OWN)
+    assert built == renderAsUser(package, alice, toml)
+    for leaked in ("alice.example.org", "~/alice-only"):
+        assert leaked not in built.decode()
     settings = json.loads(built)
+    # It names the package's policy helper, which gives each session its user's own policy.
+    assert settings["policyHelper"] == {"path": package.helper}
+    assert json.loads(built.decode().replace(str(package.root), pkg))["policyHelper"] == {
+        "path": f"{pkg}/bin/agentsandbox-policy-helper"
+    }
+    assert "agentsandbox-policy-helper" in consoleScripts() and os.access(package.helper, os.X_OK)
     assert settings["sandbox"]["network"]["allowedDomains"] == SETTINGS["sandbox"]["domains"]
     # PreToolUse: the package's interpreter on its hookstart.py, handed the package's command.
     pre = settings["hooks"]["PreToolUse"][0]["hooks"][0]
     assert pre["command"] == sys.executable
     assert pre["args"] == ["-I", "-S", str(REPO / "agentsandbox" / "hookstart.py"), package.exe, "pretooluse"]
     assert settings["hooks"]["SessionStart"][0]["hooks"][0]["command"] == package.exe
-    print(f"checked: the NixOS drop-in ({len(built)} bytes) equals `agentsandbox render claude` for alice and bob")
+    print(
+        f"checked: the NixOS drop-in ({len(built)} bytes) equals `agentsandbox render claude --config` of its /etc file "
+        f"for alice (with and without her own config) and bob, and names {pkg}/bin/agentsandbox-policy-helper"
+    )
 
 
 def test_nixos_dispatcher_units_mirror_the_shipped_ones(nixosEval: dict[str, Any]) -> None:
@@ -459,8 +504,10 @@ def test_hm_config_file_and_unit(hmEval: dict[str, Any]) -> None:
     pkg, coreutils = hmEval["package"], hmEval["coreutils"]
     entry = hmEval["configFile"]["agentsandbox/config.toml"]
     assert entry["target"] == ".config/agentsandbox/config.toml"
-    assert entry["source"]["value"] == {**SETTINGS, "proxy": {"port": 3190}}
-    assert loaderError(entry["source"]["value"]) is None
+    value = entry["source"]["env"]["generated"]["value"]
+    # No proxy.port unless set: it is the machine's where /etc has a config.
+    assert value == SETTINGS
+    assert loaderError(value) is None
     assert hmEval["failedAssertions"] == []
     assert hmEval["homePackages"] == [pkg]
 
@@ -480,39 +527,139 @@ def test_hm_config_file_and_unit(hmEval: dict[str, Any]) -> None:
     print("checked: ~/.config/agentsandbox/config.toml, systemd.user.services.agentsandbox and the unit file home-manager writes")
 
 
-def test_hm_dropin_is_what_the_users_renderer_gives(hmEval: dict[str, Any], package: Package, tmp_path: Path) -> None:
-    entry = hmEval["dataFile"]["agentsandbox/managed-settings.d/50-agentsandbox.json"]
-    assert entry["target"] == ".local/share/agentsandbox/managed-settings.d/50-agentsandbox.json"
-    config = hmEval["configFile"]["agentsandbox/config.toml"]["source"]
-    home = tmp_path / "home" / "alice"
-    userConfig = writeTOML(home / ".config" / "agentsandbox" / "config.toml", config["value"])
-    stored = writeTOML(tmp_path / "store" / "config.toml", config["value"])
-    built = runDropInScript(entry["source"]["script"], {hmEval["package"]: str(package.root), config["path"]: str(stored)}, tmp_path)
-    assert built == renderAsUser(package, home, None)  # the lookup finds ~/.config/agentsandbox/config.toml
-    assert built == renderAsUser(package, home, userConfig)
-    # Where the config lives matters, which is why the module says where: a
-    # render against a file outside home differs.
-    assert built != renderAsUser(package, home, stored)
-    assert "~/.config/agentsandbox/config.toml" in json.loads(built)["sandbox"]["filesystem"]["allowRead"]
-    print(f"checked: the home-manager drop-in ({len(built)} bytes) equals `agentsandbox render claude` run by alice")
+def runHmConfigBuild(hmEval: dict[str, Any], package: Package, work: Path) -> subprocess.CompletedProcess[str]:
+    """The config file's build (the package's loader run on it), with ``package`` standing in."""
+    source = hmEval["configFile"]["agentsandbox/config.toml"]["source"]
+    generated = writeTOML(work / "store" / "agentsandbox-config.toml", source["env"]["generated"]["value"])
+    return runBuilder(source["script"], {hmEval["package"]: str(package.root)}, work, {"generated": str(generated)})
+
+
+def test_hm_config_file_is_built_by_the_packages_loader(hmEval: dict[str, Any], package: Package, tmp_path: Path) -> None:
+    source = hmEval["configFile"]["agentsandbox/config.toml"]["source"]
+    assert f"{hmEval['package']}/bin/agentsandbox config --config \"$generated\" > /dev/null" in source["script"]
+    p = runHmConfigBuild(hmEval, package, tmp_path / "good")
+    assert p.returncode == 0, p.stderr
+    assert tomllib.loads((tmp_path / "good" / "out").read_text()) == source["env"]["generated"]["value"]
+    # What the module leaves to the loader (a regular expression) fails the
+    # build with the loader's words, not Claude Code's next start.
+    bad = {"broker": {"run": {"up": {"argv": ["/usr/bin/true"], "args": ["("]}}}}
+    expected = loaderError(bad)
+    assert expected is not None
+    refused = hm({"settings": bad})
+    assert refused["failedAssertions"] == []
+    p = runHmConfigBuild(refused, package, tmp_path / "bad")
+    assert p.returncode == 2 and expected in p.stderr, p.stderr
+    assert not (tmp_path / "bad" / "out").exists()
+    print(f"checked: home-manager's config file is the loader's to build: {p.stderr.strip()}")
+
+
+def test_hm_renders_no_dropin_and_sends_nothing_of_the_users_to_etc(hmEval: dict[str, Any]) -> None:
+    """The machine's drop-in is root's, from the machine's config: nothing here is built from the user's for /etc."""
+    assert hmEval["dataFile"] == {}
+    source = hmEval["configFile"]["agentsandbox/config.toml"]["source"]
+    userPaths = (source["path"], source["env"]["generated"]["path"])
+    # The user's config (either store file) is named only by the file home-manager links and the unit's restart trigger.
+    rest = {k: v for k, v in hmEval.items() if k not in ("configFile", "service", "unitFile")}
+    rest["service"] = {**hmEval["service"], "Unit": {k: v for k, v in hmEval["service"]["Unit"].items() if k != "X-Restart-Triggers"}}
+    text = json.dumps(rest)
+    for path in userPaths:
+        assert path not in text, path
+    script = hmEval["activation"]
+    for value in ("registry.example.org", "cluster-up", "~/src"):
+        assert value not in script
+    # The activation reads /etc and writes nothing: no copy, no install, no redirection.
+    for line in script.splitlines():
+        assert not re.search(r"\b(cp|install|tee|ln|mv)\s|>\s*/etc", line.replace("agentsandbox install", "")), line
+    print("checked: no home-manager output renders a drop-in or names the user's config outside ~/.config and the unit")
+
+
+HM_DROPIN = "/etc/claude-code/managed-settings.d/50-agentsandbox.json"
+HM_BASE = "/etc/claude-code/managed-settings.json"
+
+
+def runActivation(hmEval: dict[str, Any], package: Package, managed: Path) -> subprocess.CompletedProcess[str]:
+    """The activation step with ``managed`` standing for /etc/claude-code and a real jq for the store's."""
+    jq = shutil.which("jq")
+    if jq is None:
+        pytest.skip("jq is not installed (home-manager's activation has it)")
+    script = hmEval["activation"].replace("/etc/claude-code/", f"{managed}/")
+    script = script.replace(f"{hmEval['jq']}/bin/jq", jq).replace(hmEval["package"], str(package.root))
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(managed.parent / "home")}
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_hm_activation_prints_the_one_root_command(hmEval: dict[str, Any]) -> None:
-    dropIn = hmEval["dataFile"]["agentsandbox/managed-settings.d/50-agentsandbox.json"]["source"]["path"]
     script = hmEval["activation"]
     assert hmEval["activationAfter"] == ["linkGeneration"]
-    target = "/etc/claude-code/managed-settings.d/50-agentsandbox.json"
-    assert f"sudo install -D -m 0644 {dropIn} {target}" in script
-    assert f"cmp -s {dropIn} {target}" in script
-    print("checked: activation prints `sudo install -D -m 0644 <drop-in> /etc/claude-code/managed-settings.d/50-agentsandbox.json`")
+    command = f"sudo {hmEval['package']}/bin/agentsandbox install"
+    assert re.findall(r"sudo [^\"]*", script) == [command]
+    assert f"{hmEval['jq']}/bin/jq -er '.policyHelper.path | strings' {HM_DROPIN}" in script
+    print(f"checked: the activation's one root command is `{command}`")
 
 
-def test_hm_activation_message_runs(hmEval: dict[str, Any]) -> None:
-    # The stand-in drop-in is never what /etc holds, so the command is printed.
-    p = subprocess.run(["bash", "-euc", hmEval["activation"]], capture_output=True, text=True, timeout=60, check=False)
-    assert p.returncode == 0, p.stderr
-    assert "is not what this configuration renders; install it as root:" in p.stdout
-    assert p.stdout.count("sudo ") == 1, p.stdout
+def test_hm_activation_asks_root_for_the_machines_dropin_until_one_names_a_helper(
+    hmEval: dict[str, Any], package: Package, tmp_path: Path
+) -> None:
+    managed = tmp_path / "claude-code"
+    dropDir = managed / "managed-settings.d"
+    command = f"sudo {package.exe} install"
+    own = hmEval["configFile"]["agentsandbox/config.toml"]["target"]
+
+    def says(why: str) -> None:
+        p = runActivation(hmEval, package, managed)
+        assert p.returncode == 0, p.stderr
+        lines = p.stdout.splitlines()
+        assert [line for line in lines if "sudo " in line] == [f"  {command}"], p.stdout
+        assert why in lines[0], p.stdout
+        assert "never from your file" in lines[0] and f"/home/alice/{own}" in lines[2], p.stdout
+
+    says(f"{dropDir}/50-agentsandbox.json is not installed")
+    dropDir.mkdir(parents=True)
+    # A drop-in from before the helper (or anyone else's): hooks, no policyHelper.
+    (dropDir / "50-agentsandbox.json").write_text(json.dumps({"hooks": {}, "sandbox": {"enabled": True}}))
+    says("names no policy helper")
+    (dropDir / "50-agentsandbox.json").write_text("not json")
+    says("names no policy helper")
+    # One whose helper's store path is gone.
+    gone = "/nix/store/00000000000000000000000000000000-agentsandbox-0.0.1/bin/agentsandbox-policy-helper"
+    (dropDir / "50-agentsandbox.json").write_text(json.dumps({"policyHelper": {"path": gone}}))
+    says(f"names the policy helper {gone}, which is not there")
+
+    # The printed command, run as root would (here: the test's own managed
+    # dir), renders the machine's drop-in; after it the activation is silent.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "root"), "AGENTSANDBOX_EXE": package.exe}
+    p = subprocess.run([package.exe, "install", "--managed-dir", str(managed)], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    installed = json.loads((dropDir / "50-agentsandbox.json").read_text())
+    assert installed["policyHelper"] == {"path": package.helper}
+    assert (managed / "managed-settings.json").read_text() == "{}\n"
+    quiet = runActivation(hmEval, package, managed)
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout + quiet.stderr
+
+    # Without the base file Claude Code reads no drop-in.
+    (managed / "managed-settings.json").unlink()
+    says(f"{managed}/managed-settings.json is missing")
+    print(f"checked: the activation prints `{command}` until /etc/claude-code has a drop-in naming a helper that exists, then nothing")
+
+
+def test_hm_activation_is_silent_with_the_nixos_modules_dropin(
+    hmEval: dict[str, Any], nixosEval: dict[str, Any], package: Package, tmp_path: Path
+) -> None:
+    """On NixOS with the NixOS module, whose drop-in names the system package's helper, the user is not asked for root."""
+    config = nixosEval["etc"]["agentsandbox/config.toml"]["source"]
+    toml = writeTOML(tmp_path / "etc" / "config.toml", config["value"])
+    system = Package(tmp_path / "system-package")
+    built = runDropInScript(
+        nixosEval["etc"]["claude-code/managed-settings.d/50-agentsandbox.json"]["source"]["script"],
+        {nixosEval["package"]: str(system.root), config["path"]: str(toml)},
+        tmp_path,
+    )
+    managed = tmp_path / "claude-code"
+    (managed / "managed-settings.d").mkdir(parents=True)
+    (managed / "managed-settings.d" / "50-agentsandbox.json").write_bytes(built)
+    (managed / "managed-settings.json").write_text(nixosEval["etc"]["claude-code/managed-settings.json"]["text"])
+    p = runActivation(hmEval, package, managed)
+    assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr
 
 
 def test_hm_git_signing(hmEval: dict[str, Any]) -> None:
@@ -535,6 +682,30 @@ def test_hm_asserts_the_loaders_own_words(what: str, settings: dict[str, Any]) -
     expected = loaderError(settings)
     failed = hm({"settings": settings})["failedAssertions"]
     assert failed == [f"services.agentsandbox.settings: {expected} (agentsandbox's config loader refuses this)"]
+
+
+def test_hm_leaves_the_port_to_the_machine(tmp_path: Path) -> None:
+    """A user's file names no proxy.port unless they set one: under a machine config it is the machine's alone."""
+    from agentsandbox.config import load
+
+    user = hm({"settings": {"sandbox": {"write": ["~/src"]}}})["configFile"]["agentsandbox/config.toml"]
+    value = user["source"]["env"]["generated"]["value"]
+    assert "proxy" not in value
+    home = tmp_path / "home" / "alice"
+    writeTOML(home / ".config" / "agentsandbox" / "config.toml", value)
+    machine = writeTOML(tmp_path / "etc" / "config.toml", nixos({"settings": {"proxy": {"port": 4100}, "sandbox": {"write": ["~/src"]}}})["etc"]["agentsandbox/config.toml"]["source"]["value"])
+    env = {"HOME": str(home), "XDG_RUNTIME_DIR": "/run/user/1000"}
+    effective = load(None, env, str(machine))
+    assert effective.proxy.port == 4100 and effective.notices == ()
+    # Set, it is written, and a machine with another port leaves it out with a notice.
+    own = hm({"settings": {"proxy": {"port": 3190}}})["configFile"]["agentsandbox/config.toml"]["source"]
+    assert own["env"]["generated"]["value"] == {"proxy": {"port": 3190}}
+    writeTOML(home / ".config" / "agentsandbox" / "config.toml", own["env"]["generated"]["value"])
+    effective = load(None, env, str(machine))
+    assert effective.proxy.port == 4100 and len(effective.notices) == 1 and "proxy.port = 3190" in effective.notices[0]
+    error = evaluationError("eval-hm.nix", {"enable": True, "settings": {"proxy": {"port": 0}}})
+    assert "services.agentsandbox.settings.proxy.port' is not of type `null or integer between 1 and 65535" in error, error
+    print("checked: home-manager writes proxy.port only when set; under a machine config at 4100 the user's file loads without a notice")
 
 
 def test_hm_mistyped_setting_fails_with_the_option_named() -> None:
@@ -569,3 +740,19 @@ def test_allow_tools_enum_is_the_tables() -> None:
     assert loaderError(value) is None and evaluated["warnings"] == []
     error = evaluationError("eval-nixos.nix", {"enable": True, "settings": {"sandbox": {"allow_tools": ["Read"]}}})
     assert "allow_tools" in error, error
+
+
+def test_package_has_the_policy_helper_the_dropins_name() -> None:
+    """The drop-in names ``bin/agentsandbox-policy-helper`` beside ``bin/agentsandbox``: the package lays it down.
+
+    The package cannot be built here (no package tree offline): this checks
+    the name is a console script (buildPythonApplication wraps each, with
+    AGENTSANDBOX_EXE) and that nix/package.nix fails its build without it.
+    """
+    from agentsandbox.claude import HELPER_NAME
+
+    assert consoleScripts()[HELPER_NAME] == "agentsandbox.policyhelper:main"
+    text = (REPO / "nix" / "package.nix").read_text()
+    assert f"test -x $out/bin/{HELPER_NAME} ||" in text
+    assert '"agentsandbox.policyhelper"' in text  # pythonImportsCheck
+    assert re.search(r'"--set-default"\s+"AGENTSANDBOX_EXE"\s+"\$\{placeholder "out"\}/bin/agentsandbox"', text)

@@ -96,4 +96,5 @@ in
     if config.xdg.configFile ? "systemd/user/agentsandbox.service" then builtins.readFile (dirOf source) else null;
   git = (config.programs.git.${gitOption} or { }).gpg or null;
   coreutils = pkgs.coreutils.outPath;
+  jq = pkgs.jq.outPath;
 }

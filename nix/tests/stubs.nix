@@ -8,8 +8,9 @@
 # builders the modules call keep what they were given:
 #   formats.toml.generate -> `value` (the tests write it as TOML and hand it
 #                            to the real loader)
-#   runCommand            -> `script` (the tests run it, with the package's
-#                            renderer standing where the store path was)
+#   runCommand            -> `env` and `script` (the tests run the script,
+#                            with this checkout's console scripts standing
+#                            where the package's store path was)
 #   writeTextFile         -> a real store file with the text (home-manager's
 #                            rendered unit file)
 { lib, libTree, system ? "x86_64-linux" }:
@@ -71,10 +72,14 @@ rec {
   gnupg = program "gnupg";
   openssh = program "openssh";
   gh = program "gh";
+  jq = program "jq";
   # Read by home-manager's core (i18n) when xdg.configFile is listed.
   glibcLocales = fakeDrv "glibc-locales-2.40" { version = "2.40"; };
 
-  # The package: only its store path matters to the modules.
+  # The package: only its store path matters to the modules, which name its
+  # bin/agentsandbox, bin/agentsandbox-twistd, bin/agentsandbox-policy-helper
+  # (the drop-in's policy helper) and the signing wrappers under it.  The
+  # tests stand a directory with pyproject.toml's console scripts there.
   agentsandbox = fakeDrv "agentsandbox-0.1.0" {
     pname = "agentsandbox";
     version = "0.1.0";

@@ -2,9 +2,9 @@
 # with lingering user managers, the socket-activated dispatcher on the one
 # proxy port, a web server on a second machine; per user an allowed and a
 # refused request through the proxy, the PreToolUse hook's refusal (a key in
-# their own home), and the
-# installed drop-in equal to what the user's own renderer gives (the
-# SessionStart hook's drift check).
+# their own home), the installed drop-in equal to what the user's own
+# renderer gives (the SessionStart hook's drift check), and the policy helper
+# it names giving each user's sessions their own policy (alice's own deny).
 { self }:
 {
   name = "agentsandbox";
@@ -90,5 +90,22 @@
         # What the user's renderer gives is what the module installed.
         machine.succeed(as_user(user, f"agentsandbox render claude > /tmp/render-{user}.json"))
         machine.succeed(f"cmp /tmp/render-{user}.json /etc/claude-code/managed-settings.d/50-agentsandbox.json")
+
+    # The drop-in names the package's policy helper; run as each user (as
+    # Claude Code runs it), it prints that user's session settings: alice's
+    # own config adds a deny, bob's sessions do not get it.
+    import json
+    dropin = json.loads(machine.succeed("cat /etc/claude-code/managed-settings.d/50-agentsandbox.json"))
+    helper = dropin["policyHelper"]["path"]
+    assert helper.startswith("/nix/store/") and helper.endswith("/bin/agentsandbox-policy-helper"), helper
+    machine.succeed("install -d -o alice -m 0755 /home/alice/.config /home/alice/.config/agentsandbox")
+    machine.succeed("printf '[sandbox]\\ndeny = [\"~/src/secret\"]\\n' > /home/alice/.config/agentsandbox/config.toml")
+    machine.succeed("chown alice /home/alice/.config/agentsandbox/config.toml")
+    for user in ("alice", "bob"):
+        session = json.loads(machine.succeed(as_user(user, helper)))["managedSettings"]
+        assert "policyHelper" not in session, session
+        assert session["hooks"] == dropin["hooks"], session["hooks"]
+        denied = "~/src/secret" in session["sandbox"]["filesystem"]["denyRead"]
+        assert denied == (user == "alice"), (user, session["sandbox"]["filesystem"]["denyRead"])
   '';
 }
