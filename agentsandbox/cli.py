@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from agentsandbox import __version__
+from agentsandbox import PURPOSE, __version__
 
 # Importing typing costs a subcommand such as ``gpg`` more than its own work;
 # mypy reads this name as true all the same.
@@ -68,7 +68,7 @@ def usage() -> str:
     lines = [
         "usage: agentsandbox [--version] COMMAND [ARGS...]",
         "",
-        "Run AI coding agents under one policy: paths, hosts and credentials.",
+        PURPOSE,
         "",
         "commands:",
     ]
