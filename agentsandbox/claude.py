@@ -333,26 +333,68 @@ def trustedForMachine(path: str) -> None:
     import stat
 
     path = os.path.abspath(path)
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        raise UntrustedConfig(f"{path} is a symbolic link; name the file itself")
+    why = _othersCanChange(path)
+    if why is not None:
+        raise UntrustedConfig(f"{why}; the machine's drop-in is rendered only from a file root owns and no one else can write")
+
+
+def _othersCanChange(path: str) -> str | None:
+    """Why someone other than root could change what ``path`` is (it, a link on the way, a directory), or None."""
+    import stat
+
+    path = os.path.abspath(path)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise UntrustedConfig(f"{path} is a symbolic link; name the file itself")
+        target = os.path.join(os.path.dirname(path), os.readlink(path))
+        return _directoriesOf(path) or _othersCanChange(target)
     if st.st_uid != 0 or st.st_mode & 0o022:
-        raise UntrustedConfig(
-            f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
-            "the machine's drop-in is rendered only from a file root owns and no one else can write"
-        )
+        return f"{path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}"
+    return _directoriesOf(path)
+
+
+def _directoriesOf(path: str) -> str | None:
+    import stat
+
     directory = os.path.dirname(path)
     while True:
         st = os.stat(directory)
         sticky = bool(st.st_mode & stat.S_ISVTX)
         if st.st_uid != 0 or (st.st_mode & 0o022 and not sticky):
-            raise UntrustedConfig(
+            return (
                 f"{directory} (holding {path}) is owned by uid {st.st_uid} with mode "
-                f"{stat.S_IMODE(st.st_mode):04o}: someone other than root could replace the config"
+                f"{stat.S_IMODE(st.st_mode):04o}"
             )
         if directory == "/":
-            return
+            return None
         directory = os.path.dirname(directory)
+
+
+def programsOthersCanChange(settings: dict[str, Any]) -> list[str]:
+    """Each program the drop-in makes every user's sessions run that someone other than root could change.
+
+    The hooks' commands, their script, and the policy helper run as every
+    user who starts Claude Code: one in a user's venv would let that user run
+    code as everyone else.
+    """
+    programs: list[str] = []
+    for entries in settings.get("hooks", {}).values():
+        for entry in entries:
+            for hook in entry.get("hooks", []):
+                programs += [hook.get("command", ""), *(a for a in hook.get("args", []) if a.startswith("/"))]
+    helper = settings.get("policyHelper", {}).get("path")
+    if helper:
+        programs.append(helper)
+    found = []
+    for program in dict.fromkeys(p for p in programs if p.startswith("/")):
+        try:
+            why = _othersCanChange(program)
+        except FileNotFoundError:
+            why = None  # Claude Code cannot run it: its session does not start (closed, not open)
+        if why is not None:
+            found.append(why)
+    return found
 
 
 def installMain(argv: list[str]) -> int:
@@ -378,6 +420,17 @@ def installMain(argv: list[str]) -> int:
         print(f"agentsandbox install: {e}", file=sys.stderr)
         return 2
     policy.mountPoints()
+    unsafe = programsOthersCanChange(renderMachine(policy))
+    if unsafe and os.geteuid() == 0:
+        # Root writing it would hand every user's sessions to whoever can change these.
+        print(
+            "agentsandbox install: the drop-in would make every user's Claude Code sessions run "
+            "programs someone other than root can change: " + "; ".join(unsafe)
+            + ". Install agentsandbox where only root can write (the Debian package, or a venv "
+            "root owns) and run that installation's `agentsandbox install`.",
+            file=sys.stderr,
+        )
+        return 1
     result = install(policy, args.managed_dir)
     if not result.changed:
         print(f"the drop-in {result.path} is current")

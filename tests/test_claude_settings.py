@@ -235,7 +235,7 @@ def test_install_renders_only_from_a_file_root_alone_could_have_written(tmp_path
         claude.trustedForMachine(str(config))
     os.chown(config, 0, 0)
     os.chown(safe, 65534, 65534)
-    with pytest.raises(claude.UntrustedConfig, match="someone other than root could replace"):
+    with pytest.raises(claude.UntrustedConfig, match=r"etc \(holding .*\) is owned by uid 65534"):
         claude.trustedForMachine(str(config))
     os.chown(safe, 0, 0)
     link = tmp_path / "link.toml"
@@ -256,3 +256,31 @@ def test_srt_settings_hold_the_same_lists(user: User) -> None:
     assert net["httpProxyPort"] == net["socksProxyPort"] == 3190
     for required in ("allowedDomains", "deniedDomains"):
         assert isinstance(net[required], list)
+
+
+def test_root_never_installs_a_drop_in_that_runs_a_program_a_user_can_change(user: User, tmp_path: Path) -> None:
+    """A hook or helper in a user's venv would run that user's code as everyone who starts Claude Code."""
+    if os.getuid() != 0:
+        pytest.skip("the ownership checks need files owned by root and by another uid: run as root")
+    bin = tmp_path / "venv" / "bin"
+    bin.mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    (tmp_path / "venv").chmod(0o755)
+    for name in ("agentsandbox", claude.HELPER_NAME):
+        (bin / name).write_text("#!/bin/sh\n")
+        (bin / name).chmod(0o755)
+    settings = claude.renderMachine(user.policy(exe=str(bin / "agentsandbox")))
+    assert claude.programsOthersCanChange(settings) == []
+    os.chown(bin / claude.HELPER_NAME, 1000, 1000)
+    assert claude.programsOthersCanChange(settings) == [
+        f"{bin / claude.HELPER_NAME} is owned by uid 1000 with mode 0755"]
+    os.chown(bin / claude.HELPER_NAME, 0, 0)
+    os.chown(bin, 1000, 1000)
+    found = claude.programsOthersCanChange(settings)
+    assert len(found) == 2 and all(f"{bin} (holding " in f for f in found), found
+    os.chown(bin, 0, 0)
+    link = bin / "linked"
+    link.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_text("")
+    os.chown(tmp_path / "elsewhere", 1000, 1000)
+    assert claude._othersCanChange(str(link)) == f"{tmp_path / 'elsewhere'} is owned by uid 1000 with mode 0644"
