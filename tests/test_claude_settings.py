@@ -164,7 +164,7 @@ def test_install_keeps_an_existing_base_file(user: User, tmp_path: Path) -> None
 
 
 def test_install_without_permission_prints_exact_root_lines(
-    user: User, request: pytest.FixtureRequest
+    user: User, request: pytest.FixtureRequest, readableSource: str
 ) -> None:
     """The root lines are exact and shell-quoted; as root the install runs as nobody."""
     import shutil
@@ -173,7 +173,7 @@ def test_install_without_permission_prints_exact_root_lines(
 
     from tests.conftest import REPO
 
-    top = Path(tempfile.mkdtemp(prefix="agentsandbox-install-"))
+    top = Path(tempfile.mkdtemp(prefix="install-"))
     request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
     top.chmod(0o755)
     managed = top / "has space" / "claude-code"
@@ -196,7 +196,8 @@ def test_install_without_permission_prints_exact_root_lines(
         capture_output=True,
         text=True,
         user=65534 if asRoot else None,
-        env={"PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
+        # As nobody, the checkout itself may not be readable (a 0700 build tree).
+        env={"PYTHONPATH": readableSource if asRoot else str(REPO), "HOME": "/nonexistent"},
         check=True,
     )
     changed, steps = json.loads(out.stdout)

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,8 +149,10 @@ def test_rendered_units_point_at_this_install() -> None:
 
 
 def _verify(tmp_path: Path, *units: Path) -> subprocess.CompletedProcess[str]:
-    runtime = tmp_path / "xdg-runtime"
-    runtime.mkdir(exist_ok=True, mode=0o700)
+    # Short, whatever $TMPDIR is: systemd refuses the user units' socket paths
+    # under a long runtime dir ("File name too long").
+    runtime = Path(tempfile.mkdtemp(prefix="xdg-"))
+    runtime.chmod(0o700)
     return subprocess.run(
         ["systemd-analyze", "--user", "verify", *map(str, units)],
         env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)),
