@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentsandbox import cli
-from agentsandbox.config import Config, ConfigError, InjectRule, load
+from agentsandbox.config import CommandSource, Config, ConfigError, InjectRule, load
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from agentsandbox.probes import Runner, askBroker, connectTCP, firstLine, listenerUids, systemRunner
@@ -371,13 +371,54 @@ def checkDispatcher(
     return Check(name, OK, f"registered with the dispatcher on {path} (pid {status.get('pid', '?')}, {', '.join(ports)})")
 
 
-def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -> list[Check]:
-    """A token is present for every inject rule, by the service's own account."""
+def builtinFix(source: str) -> str:
+    """What turns the built-in GitHub rule on, or off for good."""
+    return (
+        "`gh auth login` on the host (the service fetches `gh auth token` again within its renewal "
+        "period; `systemctl --user restart agentsandbox` fetches it at once), or `inject = []` in "
+        f"{source} if the proxy should set no GitHub credential"
+    )
+
+
+def checkBuiltinGithub(config: Config) -> Check | None:
+    """The built-in GitHub rule, where the config names no ``inject``: which hosts it covers.
+
+    None when the config names its own ``inject`` (then only its rules count)."""
+    from agentsandbox.config import GITHUB_HOSTS
+
+    if not config.inject_builtin:
+        return None
+    name = "built-in GitHub rule"
+    covered = [h for rule in config.inject if rule.builtin for h in rule.hosts]
+    if not covered:
+        return Check(
+            name, WARN,
+            f"inactive: sandbox.domains in {config.source} admits none of {', '.join(GITHUB_HOSTS)}, "
+            "so the proxy sets no GitHub credential",
+            f"add github.com (and *.github.com) to sandbox.domains and run `gh auth login`, or set "
+            f"`inject = []` in {config.source} to say the built-in rule is not wanted",
+        )  # fmt: skip
+    return Check(name, OK, f"covers {', '.join(covered)} (the config names no inject)")
+
+
+def checkTokens(
+    rules: Sequence[InjectRule], report: Mapping[str, Any] | None, runner: Runner | None = None, source: str = "the config"
+) -> list[Check]:
+    """A token is present for every inject rule, by the service's own account.
+
+    A missing token of a ``[[inject]]`` rule fails; of the built-in GitHub rule it
+    is a warning (the rule is inactive until ``gh auth token`` answers: the proxy
+    tunnels GitHub untouched meanwhile).  When the service does not answer, the
+    built-in rule's ``gh auth token`` is asked here with ``runner``, as this user.
+    """
     checks: list[Check] = []
     tokens = report.get("tokens") if report is not None else None
     for rule in rules:
         name = "token for " + ", ".join(rule.hosts)
         if not isinstance(tokens, list):
+            if rule.builtin and runner is not None and isinstance(rule.token, CommandSource):
+                checks.append(_probeBuiltin(name, rule, runner, source))
+                continue
             checks.append(
                 Check(name, UNKNOWN, "the service did not report token state "
                       + ("(it is not answering)" if report is None else "(its status carries none)"))
@@ -395,12 +436,43 @@ def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -
             checks.append(Check(name, UNKNOWN, "the service reports no keeper for these hosts"))
         elif entry.get("present"):
             checks.append(Check(name, OK, f"present ({rule.token.describe()})"))
+        elif rule.builtin:
+            error = entry.get("lastError") or "not fetched yet"
+            why = (
+                f"the built-in GitHub rule is inactive: no token from {rule.token.describe()} ({error}); "
+                "the proxy tunnels these hosts untouched, without a credential"
+            )
+            checks.append(Check(name, WARN, why, builtinFix(source)))
         else:
             error = entry.get("lastError") or "not fetched yet"
             checks.append(
                 Check(name, FAIL, f"no token from {rule.token.describe()}: {error}", rule.token.fix())
             )
     return checks
+
+
+def _probeBuiltin(name: str, rule: InjectRule, runner: Runner, source: str) -> Check:
+    """The built-in rule's token command, run here (the service is not answering)."""
+    from agentsandbox.tokens import TokenError, checkToken
+
+    assert isinstance(rule.token, CommandSource)
+    p = runner(list(rule.token.command))
+    what = rule.token.describe()
+    if p.returncode == 0:
+        try:
+            checkToken(p.stdout.encode("utf-8", "replace"), what)
+        except TokenError as e:
+            why = str(e)
+        else:
+            return Check(name, OK, f"{what} gives a token (asked here: the service is not answering)")
+    else:
+        why = _why(p)
+    return Check(
+        name, WARN,
+        f"the built-in GitHub rule is inactive: {what} gives no token ({why}); "
+        "the proxy tunnels these hosts untouched, without a credential",
+        builtinFix(source),
+    )  # fmt: skip
 
 
 def checkAddressEntries(policy: Policy) -> Check:
@@ -514,7 +586,10 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
                     config.proxy.port, pid if isinstance(pid, int) else None, procDir=inputs.procDir, viaDispatcher=viaDispatcher
                 )
             )
-        checks.extend(checkTokens(config.inject, report))
+        builtin = checkBuiltinGithub(config)
+        if builtin is not None:
+            checks.append(builtin)
+        checks.extend(checkTokens(config.inject, report, inputs.runner, config.source))
         checks.append(checkBundle(paths.egressDir))
     checks.append(checkClaude(inputs.which("claude"), inputs.runner))
     return checks
