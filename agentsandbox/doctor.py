@@ -261,10 +261,12 @@ def checkSameUser(
     elif not owners:
         problems.append(f"no listening socket on port {port} in {procDir}/net/tcp*")
     elif owners != {me}:
+        from agentsandbox.machine import machine
+
         problems.append(
             f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me} (on a machine "
-            "with several users, the system dispatcher shares the port: "
-            "`sudo systemctl enable --now agentsandbox-dispatch.socket`, see docs/dispatch.md)"
+            f"with several users, the system dispatcher shares the port: `{machine().startCommand()}`, "
+            "see docs/dispatch.md)"
         )
     if brokerPid is None:
         problems.append("the broker did not say its pid")
@@ -287,9 +289,6 @@ def checkSameUser(
     return Check(name, OK, f"the proxy and the broker run as uid {me}")
 
 
-DISPATCHER_FIX = "start the system dispatcher: `sudo systemctl enable --now agentsandbox-dispatch.socket`"
-
-
 def askDispatcher(path: str) -> dict[str, Any]:
     """The dispatcher's status, plus ``answeredBy``: the uid of the socket's owner (SO_PEERCRED)."""
     from agentsandbox.egress.dispatch import askStatus
@@ -308,6 +307,7 @@ def checkDispatcher(
     """Whether the service is bound directly or registered with a dispatcher, and
     whether that dispatcher is absent, unreachable, or serving the port for someone else."""
     from agentsandbox.egress.dispatch import DispatchQueryError
+    from agentsandbox.machine import machine
     from agentsandbox.paths import locateDispatchSocket
 
     name = "dispatcher"
@@ -320,15 +320,31 @@ def checkDispatcher(
         return Check(name, OK, "none configured (proxy.dispatch_socket = \"\"): the service binds the port itself")
     if config.proxy.listen is not None:
         return Check(name, OK, f"not used: proxy.listen = {config.proxy.listen!r} binds as told")
+    here = machine(environ)
     if not os.path.lexists(path):
-        return Check(name, OK, f"absent ({path} does not exist): the service binds 127.0.0.1:{port} itself")
+        if not here.package:
+            return Check(name, OK, f"absent ({path} does not exist): the service binds 127.0.0.1:{port} itself")
+        if mode == "direct":
+            yours = (
+                f"your service bound 127.0.0.1:{port} itself, so the dispatcher cannot start and other "
+                "users' services cannot serve; stop your service (`systemctl --user stop agentsandbox`, or "
+                "end `agentsandbox serve`), then the dispatcher starts, then start your service again"
+            )
+        else:
+            yours = "your service waits for it and registers when it starts, serving nothing meanwhile"
+        return Check(
+            name, FAIL,
+            f"not running on this package machine ({here.evidence()}): {path} does not exist; {yours}",
+            "start the dispatcher " + here.startAdvice(path),
+        )  # fmt: skip
     try:
         status = ask(path)
     except DispatchQueryError as e:
+        stale = "" if here.package else f" (or remove the stale {path} on a single-user machine)"
         return Check(
             name, FAIL,
             f"unreachable: {e}; your service keeps trying to register and serves nothing meanwhile",
-            f"{DISPATCHER_FIX} (or remove the stale {path} on a single-user machine)",
+            "start the dispatcher " + here.startAdvice(path) + stale,
         )  # fmt: skip
     ports = [str(p) for p in status.get("ports") or ()]
     if f"127.0.0.1:{port}" not in ports:
@@ -699,6 +715,9 @@ def statusTable(data: Mapping[str, Any]) -> str:
         width = max((len(k) for k in proxy), default=0)
         for i, key in enumerate(sorted(proxy)):
             lines.append(("proxy     " if i == 0 else "          ") + f"{key.ljust(width)}  {_scalar(proxy[key])}")
+        dispatcher = proxy.get("dispatcher")
+        if isinstance(dispatcher, dict) and dispatcher.get("portOverridden"):
+            lines.append(f"          note: {dispatcher['portOverridden']}")
     tokens = data.get("tokens")
     if isinstance(tokens, list):
         lines.append("")

@@ -182,3 +182,27 @@ def hookDecision(user: User, tool: str, cwd: str | None = None, **toolInput: Any
     reason: str = spec["permissionDecisionReason"]
     return reason
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def notAPackageMachine(privateTempRoot: str) -> Iterator[str]:
+    """The suite's services and checks see no package machine (``machine.ROOT_ENV``).
+
+    A .deb installed meanwhile by another run (scripts/test-deb) lays down the
+    dispatcher's unit and /etc/agentsandbox/config.toml, which would make a
+    service started here wait for a dispatcher instead of binding its port.
+    Tests of a package machine make one in a directory and name it themselves.
+    """
+    from agentsandbox.machine import ROOT_ENV
+
+    root = os.path.join(privateTempRoot, "no-package-machine")
+    os.makedirs(root)
+    previous = os.environ.get(ROOT_ENV)
+    os.environ[ROOT_ENV] = root
+    try:
+        yield root
+    finally:
+        if previous is None:
+            os.environ.pop(ROOT_ENV, None)
+        else:
+            os.environ[ROOT_ENV] = previous
