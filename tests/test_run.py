@@ -389,6 +389,24 @@ def test_enforcement_problems_reports_every_missing_part(idle: Host) -> None:
     ) == []
 
 
+def test_a_dispatcher_problem_speaks_for_the_port(idle: Host) -> None:
+    """Where a dispatcher is involved, run gives its diagnosis (doctor's) instead of the port probes'."""
+    config = loads(idle.config.read_bytes(), str(idle.config), Paths.fromEnvironment(idle.env))
+    said = runModule.Problem("the dispatcher: the dispatcher on /run/d.sock serves 127.0.0.1:3190 but no service "
+                             "of uid 1000 is registered", "start the service")  # fmt: skip
+    found = runModule.enforcementProblems(
+        config, "/x", which=lambda n, path=None: "/x/" + n,
+        proxyCheck=lambda port: pytest.fail("the port is the dispatcher's to diagnose"),
+        brokerCheck=lambda s: None, dispatcher=lambda c: (True, said),
+    )  # fmt: skip
+    assert found == [said]
+    # Served by the dispatcher: another uid's listener (the dispatcher's) is no squatter.
+    assert runModule.enforcementProblems(
+        config, "/x", which=lambda n, path=None: "/x/" + n, proxyCheck=lambda p: None,
+        brokerCheck=lambda s: None, dispatcher=lambda c: (True, None),
+    ) == []  # fmt: skip
+
+
 # --------------------------------------------------------------------------- the settings file
 
 
