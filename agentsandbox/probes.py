@@ -182,7 +182,8 @@ def _command(pid: int, procDir: str) -> str:
             raw = f.read(4096)
     except OSError:
         return ""
-    text = " ".join(a.decode("utf-8", "replace") for a in raw.split(b"\0") if a)
+    # One line, whatever the arguments hold (a `python -c` script has newlines).
+    text = " ".join(" ".join(a.decode("utf-8", "replace").split()) for a in raw.split(b"\0") if a)
     return text if len(text) <= 200 else text[:197] + "..."
 
 

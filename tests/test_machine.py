@@ -97,7 +97,7 @@ def _proc(tmp_path: Path, uid: int, inode: int, pid: int, cmdline: bytes) -> str
 
 
 def test_who_holds_the_port(tmp_path: Path) -> None:
-    proc = _proc(tmp_path, 54321, 8877, 4242, b"/usr/bin/python3\0-m\0agentsandbox\0serve\0")
+    proc = _proc(tmp_path, 54321, 8877, 4242, b"/usr/bin/python3\0-m\0agentsandbox\0\n serve\n\0")
     holders = portHolders(0x0C76, proc)
     assert holders == [PortHolder(54321, (4242,), ("/usr/bin/python3 -m agentsandbox serve",))]
     assert holders[0].describe() == "uid 54321, pid 4242: /usr/bin/python3 -m agentsandbox serve"
