@@ -153,6 +153,7 @@ def user(tmp_path: Path) -> User:
         "TMPDIR": str(tmp),
         "XDG_RUNTIME_DIR": str(runtime),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        **suiteEnv(),
     }
     return User(base=base, home=home, runtime=runtime, tmp=tmp, env=env)
 
@@ -182,6 +183,14 @@ def hookDecision(user: User, tool: str, cwd: str | None = None, **toolInput: Any
     reason: str = spec["permissionDecisionReason"]
     return reason
 
+
+
+def suiteEnv() -> dict[str, str]:
+    """What an environment built from scratch for a child must carry: the suite's
+    machine root (``notAPackageMachine``)."""
+    from agentsandbox.machine import ROOT_ENV
+
+    return {ROOT_ENV: os.environ[ROOT_ENV]} if os.environ.get(ROOT_ENV) else {}
 
 
 @pytest.fixture(scope="session", autouse=True)

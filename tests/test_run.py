@@ -25,7 +25,7 @@ from agentsandbox.config import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from harness.service_process import HelloServer, ServiceProcess, serveArgv
-from tests.conftest import REPO
+from tests.conftest import REPO, suiteEnv
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 SRT_TOOLS = ("srt", "bwrap", "socat", "rg", "node")
@@ -113,6 +113,7 @@ def _makeHost(base: Path) -> Host:
         "PYTHONPATH": str(REPO),
         "LANG": "C.UTF-8",
         "FOO_UNLISTED": "dropped",
+        **suiteEnv(),
     }
     host = Host(base=base, home=home, work=work, env=env, port=freePort())
     host.writeConfig()
