@@ -261,7 +261,7 @@ def checkSameUser(
     elif not owners:
         problems.append(f"no listening socket on port {port} in {procDir}/net/tcp*")
     elif owners != {me}:
-        from agentsandbox.machine import machine
+        from agentsandbox.packaged import machine
 
         problems.append(
             f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me} (on a machine "
@@ -307,7 +307,7 @@ def checkDispatcher(
     """Whether the service is bound directly or registered with a dispatcher, and
     whether that dispatcher is absent, unreachable, or serving the port for someone else."""
     from agentsandbox.egress.dispatch import DispatchQueryError
-    from agentsandbox.machine import machine
+    from agentsandbox.packaged import machine
     from agentsandbox.paths import locateDispatchSocket
 
     name = "dispatcher"

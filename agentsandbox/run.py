@@ -224,7 +224,7 @@ def dispatcherDiagnosis(config: Config, environ: Mapping[str, str] | None = None
     and the problem says why with doctor's fix.
     """
     from agentsandbox.doctor import OK, checkDispatcher
-    from agentsandbox.machine import machine
+    from agentsandbox.packaged import machine
     from agentsandbox.paths import locateDispatchSocket
 
     env = os.environ if environ is None else environ

@@ -264,7 +264,7 @@ class AgentSandbox(MultiService):
 def awaitDispatcher(dispatchSocket: str | None, config: Config, environ: dict[str, str]) -> str | None:
     """On a package machine, why the service waits for the dispatcher instead of binding
     the shared port (and the admin's command that starts it); None elsewhere."""
-    from agentsandbox.machine import machine
+    from agentsandbox.packaged import machine
 
     here = machine(environ)
     if dispatchSocket is None or config.proxy.listen is not None or not here.package:

@@ -328,7 +328,7 @@ class Setup:
         """On a package machine whose dispatcher does not run, say how the admin starts it
         (doctor's dispatcher check, which the run ends with, says the same)."""
         from agentsandbox.doctor import checkDispatcher
-        from agentsandbox.machine import machine
+        from agentsandbox.packaged import machine
         from agentsandbox.paths import locateDispatchSocket
 
         path = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)

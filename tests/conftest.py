@@ -188,7 +188,7 @@ def hookDecision(user: User, tool: str, cwd: str | None = None, **toolInput: Any
 def suiteEnv() -> dict[str, str]:
     """What an environment built from scratch for a child must carry: the suite's
     machine root (``notAPackageMachine``)."""
-    from agentsandbox.machine import ROOT_ENV
+    from agentsandbox.packaged import ROOT_ENV
 
     return {ROOT_ENV: os.environ[ROOT_ENV]} if os.environ.get(ROOT_ENV) else {}
 
@@ -202,7 +202,7 @@ def notAPackageMachine(privateTempRoot: str) -> Iterator[str]:
     service started here wait for a dispatcher instead of binding its port.
     Tests of a package machine make one in a directory and name it themselves.
     """
-    from agentsandbox.machine import ROOT_ENV
+    from agentsandbox.packaged import ROOT_ENV
 
     root = os.path.join(privateTempRoot, "no-package-machine")
     os.makedirs(root)

@@ -425,7 +425,7 @@ def test_setup_under_sudo_is_refused(machine: Machine) -> None:
 
 
 def test_setup_on_a_package_machine_without_a_dispatcher_says_how_to_start_it(machine: Machine, tmp_path: Path) -> None:
-    from agentsandbox.machine import ROOT_ENV
+    from agentsandbox.packaged import ROOT_ENV
 
     root = tmp_path / "package-machine"
     (root / "lib" / "systemd" / "system").mkdir(parents=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from agentsandbox import doctor
 from agentsandbox.config import loads
 from agentsandbox.egress.dispatch import portTaken
-from agentsandbox.machine import ROOT_ENV, machine
+from agentsandbox.packaged import ROOT_ENV, machine
 from agentsandbox.paths import Paths
 from agentsandbox.probes import PortHolder, portHolders
 
