@@ -155,8 +155,17 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
     # build from this config (never started: nothing fetched or written).
     from agentsandbox.egress.injection import injectionFor
 
-    if injectionFor(config).injector.injects(host, port):
+    injector = injectionFor(config).injector
+    route = injector.routes.get(host)
+    if injector.injects(host, port):
         print(f"  the proxy terminates TLS for {host} and sets its credential header")
+    elif route is not None and route.rule.builtin and port == 443:
+        # Never started, this injector holds no token; the running service's does.
+        print(
+            f"  the proxy terminates TLS for {host} and sets its credential header while "
+            f"{route.rule.token.describe()} gives it a token (the built-in GitHub rule); "
+            "until then the tunnel goes through untouched"
+        )
     from agentsandbox.policy import PROXY_AWARE, literalFixes, noProxyNote
 
     fixes = literalFixes(entry.text)

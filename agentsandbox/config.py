@@ -184,6 +184,9 @@ class InjectRule:
     format: str
     token: TokenSource
     basic_user: str | None = None
+    #: One of the built-in GitHub rules (``githubRules``), not a ``[[inject]]`` of the
+    #: config: it applies only where it can work (``builtinRules``).
+    builtin: bool = False
 
     def render(self, token: str) -> str:
         import base64
@@ -306,6 +309,9 @@ class Config:
         if self.source == self.machine:
             return f"{self.machine} (the machine's)"
         return f"{self.machine} (the machine's), narrowed by {self.source}"
+    #: The config names no ``inject``: the built-in GitHub rule is offered, and
+    #: ``inject`` holds it for the GitHub hosts ``sandbox.domains`` admits (none: empty).
+    inject_builtin: bool = False
 
     def injectFor(self, host: str) -> InjectRule | None:
         for rule in self.inject:
@@ -324,14 +330,35 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
             format="Basic {basic}",
             basic_user="x-access-token",
             token=source,
+            builtin=True,
         ),
         InjectRule(
             hosts=("api.github.com", "uploads.github.com"),
             header="Authorization",
             format="token {token}",
             token=source,
+            builtin=True,
         ),
     )
+
+
+def builtinRules(domains: tuple[str, ...], token: TokenSource | None = None) -> tuple[InjectRule, ...]:
+    """The built-in GitHub rules narrowed to the hosts the allow list admits on 443.
+
+    A rule for a host the proxy refuses anyway would only start ``gh auth
+    token`` every renewal and put the host in the injection CA; with no GitHub
+    host allowed there is no rule at all (``doctor`` says so, as a warning).
+    Whether the token source answers is the running service's to see: the
+    injector terminates a built-in host only while its keeper holds a token
+    (``egress.inject.Route.active``).
+    """
+    allow = AllowList.parse(domains)
+    rules = []
+    for rule in githubRules(token):
+        hosts = tuple(h for h in rule.hosts if allow.byName(h, 443) is not None)
+        if hosts:
+            rules.append(replace(rule, hosts=hosts))
+    return tuple(rules)
 
 
 # --------------------------------------------------------------------------- lookup
@@ -373,6 +400,9 @@ def load(
     from agentsandbox.machine import narrow
 
     config = narrow(machineConfigValue, user, data)
+    if config.inject_builtin:
+        # The built-in GitHub rule follows the narrowed allow list, as it follows a file's own.
+        config = replace(config, inject=builtinRules(config.sandbox.domains))
     _checkLayout(config)
     return config
 
@@ -540,7 +570,8 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
     sandbox = _parseSandbox(root.table("sandbox"), paths)
     proxy = _parseProxy(root.table("proxy"))
     _checkDomains(root.table("sandbox"), sandbox.domains, proxy.port)
-    inject = _parseInject(root, paths)
+    named = _parseInject(root, paths)
+    inject = builtinRules(sandbox.domains) if named is None else named
     broker = _parseBroker(root.table("broker"), paths)
     scope = _parseScope(root.table("scope"))
     audit = _parseAudit(root.table("audit"), paths)
@@ -556,6 +587,7 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
         scope=scope,
         audit=audit,
         run=run,
+        inject_builtin=named is None,
     )
     _checkLayout(config)
     return config
@@ -790,10 +822,11 @@ def _parseToken(t: _Table, paths: Paths) -> TokenSource:
     return EnvSource(env, renew)
 
 
-def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
+def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...] | None:
+    """The config's ``[[inject]]`` rules; None when it names no ``inject`` (the built-in applies)."""
     root.seen.add("inject")
     if "inject" not in root.data:
-        return githubRules()
+        return None
     value = root.data["inject"]
     if not isinstance(value, list):
         raise root.error("inject", "must be an array of tables ([[inject]])")

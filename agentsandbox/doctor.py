@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentsandbox import cli
-from agentsandbox.config import Config, ConfigError, InjectRule, load
+from agentsandbox.config import CommandSource, Config, ConfigError, InjectRule, load
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from agentsandbox.probes import Runner, askBroker, connectTCP, firstLine, listenerUids, systemRunner
@@ -280,10 +280,12 @@ def checkSameUser(
     elif not owners:
         problems.append(f"no listening socket on port {port} in {procDir}/net/tcp*")
     elif owners != {me}:
+        from agentsandbox.packaged import machine
+
         problems.append(
             f"port {port} is held by uid {', '.join(map(str, sorted(owners)))}, not {me} (on a machine "
-            "with several users, the system dispatcher shares the port: "
-            "`sudo systemctl enable --now agentsandbox-dispatch.socket`, see docs/dispatch.md)"
+            f"with several users, the system dispatcher shares the port: `{machine().startCommand()}`, "
+            "see docs/dispatch.md)"
         )
     if brokerPid is None:
         problems.append("the broker did not say its pid")
@@ -306,9 +308,6 @@ def checkSameUser(
     return Check(name, OK, f"the proxy and the broker run as uid {me}")
 
 
-DISPATCHER_FIX = "start the system dispatcher: `sudo systemctl enable --now agentsandbox-dispatch.socket`"
-
-
 def askDispatcher(path: str) -> dict[str, Any]:
     """The dispatcher's status, plus ``answeredBy``: the uid of the socket's owner (SO_PEERCRED)."""
     from agentsandbox.egress.dispatch import askStatus
@@ -327,6 +326,7 @@ def checkDispatcher(
     """Whether the service is bound directly or registered with a dispatcher, and
     whether that dispatcher is absent, unreachable, or serving the port for someone else."""
     from agentsandbox.egress.dispatch import DispatchQueryError
+    from agentsandbox.packaged import machine
     from agentsandbox.paths import locateDispatchSocket
 
     name = "dispatcher"
@@ -339,15 +339,31 @@ def checkDispatcher(
         return Check(name, OK, "none configured (proxy.dispatch_socket = \"\"): the service binds the port itself")
     if config.proxy.listen is not None:
         return Check(name, OK, f"not used: proxy.listen = {config.proxy.listen!r} binds as told")
+    here = machine(environ)
     if not os.path.lexists(path):
-        return Check(name, OK, f"absent ({path} does not exist): the service binds 127.0.0.1:{port} itself")
+        if not here.package:
+            return Check(name, OK, f"absent ({path} does not exist): the service binds 127.0.0.1:{port} itself")
+        if mode == "direct":
+            yours = (
+                f"your service bound 127.0.0.1:{port} itself, so the dispatcher cannot start and other "
+                "users' services cannot serve; stop your service (`systemctl --user stop agentsandbox`, or "
+                "end `agentsandbox serve`), then the dispatcher starts, then start your service again"
+            )
+        else:
+            yours = "your service waits for it and registers when it starts, serving nothing meanwhile"
+        return Check(
+            name, FAIL,
+            f"not running on this package machine ({here.evidence()}): {path} does not exist; {yours}",
+            "start the dispatcher " + here.startAdvice(path),
+        )  # fmt: skip
     try:
         status = ask(path)
     except DispatchQueryError as e:
+        stale = "" if here.package else f" (or remove the stale {path} on a single-user machine)"
         return Check(
             name, FAIL,
             f"unreachable: {e}; your service keeps trying to register and serves nothing meanwhile",
-            f"{DISPATCHER_FIX} (or remove the stale {path} on a single-user machine)",
+            "start the dispatcher " + here.startAdvice(path) + stale,
         )  # fmt: skip
     ports = [str(p) for p in status.get("ports") or ()]
     if f"127.0.0.1:{port}" not in ports:
@@ -390,13 +406,54 @@ def checkDispatcher(
     return Check(name, OK, f"registered with the dispatcher on {path} (pid {status.get('pid', '?')}, {', '.join(ports)})")
 
 
-def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -> list[Check]:
-    """A token is present for every inject rule, by the service's own account."""
+def builtinFix(source: str) -> str:
+    """What turns the built-in GitHub rule on, or off for good."""
+    return (
+        "`gh auth login` on the host (the service fetches `gh auth token` again within its renewal "
+        "period; `systemctl --user restart agentsandbox` fetches it at once), or `inject = []` in "
+        f"{source} if the proxy should set no GitHub credential"
+    )
+
+
+def checkBuiltinGithub(config: Config) -> Check | None:
+    """The built-in GitHub rule, where the config names no ``inject``: which hosts it covers.
+
+    None when the config names its own ``inject`` (then only its rules count)."""
+    from agentsandbox.config import GITHUB_HOSTS
+
+    if not config.inject_builtin:
+        return None
+    name = "built-in GitHub rule"
+    covered = [h for rule in config.inject if rule.builtin for h in rule.hosts]
+    if not covered:
+        return Check(
+            name, WARN,
+            f"inactive: sandbox.domains in {config.source} admits none of {', '.join(GITHUB_HOSTS)}, "
+            "so the proxy sets no GitHub credential",
+            f"add github.com (and *.github.com) to sandbox.domains and run `gh auth login`, or set "
+            f"`inject = []` in {config.source} to say the built-in rule is not wanted",
+        )  # fmt: skip
+    return Check(name, OK, f"covers {', '.join(covered)} (the config names no inject)")
+
+
+def checkTokens(
+    rules: Sequence[InjectRule], report: Mapping[str, Any] | None, runner: Runner | None = None, source: str = "the config"
+) -> list[Check]:
+    """A token is present for every inject rule, by the service's own account.
+
+    A missing token of a ``[[inject]]`` rule fails; of the built-in GitHub rule it
+    is a warning (the rule is inactive until ``gh auth token`` answers: the proxy
+    tunnels GitHub untouched meanwhile).  When the service does not answer, the
+    built-in rule's ``gh auth token`` is asked here with ``runner``, as this user.
+    """
     checks: list[Check] = []
     tokens = report.get("tokens") if report is not None else None
     for rule in rules:
         name = "token for " + ", ".join(rule.hosts)
         if not isinstance(tokens, list):
+            if rule.builtin and runner is not None and isinstance(rule.token, CommandSource):
+                checks.append(_probeBuiltin(name, rule, runner, source))
+                continue
             checks.append(
                 Check(name, UNKNOWN, "the service did not report token state "
                       + ("(it is not answering)" if report is None else "(its status carries none)"))
@@ -414,12 +471,43 @@ def checkTokens(rules: Sequence[InjectRule], report: Mapping[str, Any] | None) -
             checks.append(Check(name, UNKNOWN, "the service reports no keeper for these hosts"))
         elif entry.get("present"):
             checks.append(Check(name, OK, f"present ({rule.token.describe()})"))
+        elif rule.builtin:
+            error = entry.get("lastError") or "not fetched yet"
+            why = (
+                f"the built-in GitHub rule is inactive: no token from {rule.token.describe()} ({error}); "
+                "the proxy tunnels these hosts untouched, without a credential"
+            )
+            checks.append(Check(name, WARN, why, builtinFix(source)))
         else:
             error = entry.get("lastError") or "not fetched yet"
             checks.append(
                 Check(name, FAIL, f"no token from {rule.token.describe()}: {error}", rule.token.fix())
             )
     return checks
+
+
+def _probeBuiltin(name: str, rule: InjectRule, runner: Runner, source: str) -> Check:
+    """The built-in rule's token command, run here (the service is not answering)."""
+    from agentsandbox.tokens import TokenError, checkToken
+
+    assert isinstance(rule.token, CommandSource)
+    p = runner(list(rule.token.command))
+    what = rule.token.describe()
+    if p.returncode == 0:
+        try:
+            checkToken(p.stdout.encode("utf-8", "replace"), what)
+        except TokenError as e:
+            why = str(e)
+        else:
+            return Check(name, OK, f"{what} gives a token (asked here: the service is not answering)")
+    else:
+        why = _why(p)
+    return Check(
+        name, WARN,
+        f"the built-in GitHub rule is inactive: {what} gives no token ({why}); "
+        "the proxy tunnels these hosts untouched, without a credential",
+        builtinFix(source),
+    )  # fmt: skip
 
 
 def checkAddressEntries(policy: Policy) -> Check:
@@ -534,7 +622,10 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
                     config.proxy.port, pid if isinstance(pid, int) else None, procDir=inputs.procDir, viaDispatcher=viaDispatcher
                 )
             )
-        checks.extend(checkTokens(config.inject, report))
+        builtin = checkBuiltinGithub(config)
+        if builtin is not None:
+            checks.append(builtin)
+        checks.extend(checkTokens(config.inject, report, inputs.runner, config.source))
         checks.append(checkBundle(paths.egressDir))
     checks.append(checkClaude(inputs.which("claude"), inputs.runner))
     return checks
@@ -651,6 +742,9 @@ def statusTable(data: Mapping[str, Any]) -> str:
         width = max((len(k) for k in proxy), default=0)
         for i, key in enumerate(sorted(proxy)):
             lines.append(("proxy     " if i == 0 else "          ") + f"{key.ljust(width)}  {_scalar(proxy[key])}")
+        dispatcher = proxy.get("dispatcher")
+        if isinstance(dispatcher, dict) and dispatcher.get("portOverridden"):
+            lines.append(f"          note: {dispatcher['portOverridden']}")
     tokens = data.get("tokens")
     if isinstance(tokens, list):
         lines.append("")

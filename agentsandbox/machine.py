@@ -103,6 +103,7 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         sandbox=sandbox,
         proxy=replace(machine.proxy, **proxyValues),
         inject=user.inject if "inject" in given else machine.inject,
+        inject_builtin=user.inject_builtin if "inject" in given else machine.inject_builtin,
         broker=user.broker if "broker" in given else machine.broker,
         scope=user.scope if "scope" in given else machine.scope,
         audit=user.audit if "audit" in given else machine.audit,

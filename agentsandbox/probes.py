@@ -5,8 +5,9 @@ the same questions; this module owns the one answer to each:
 
 * ``connectTCP``: does something accept a TCP connection on a loopback port
   (closed before any byte is sent, so the proxy records no request);
-* ``listenerUids`` and ``proxyOwner``: which users hold the listening socket on
-  a port, read from the kernel's socket tables;
+* ``listenerUids``, ``portHolders`` and ``proxyOwner``: which users (and, where
+  /proc shows them, which processes) hold the listening socket on a port, read
+  from the kernel's socket tables;
 * ``askBroker`` and ``brokerAnswers``: the host broker's answer to an op;
 * ``Runner``, ``systemRunner`` and ``firstLine``: run a program, keep what it
   said, never hang on it;
@@ -114,6 +115,76 @@ def listenerUids(port: int, procDir: str = "/proc") -> set[int]:
             if row.listening and row.local[1] == port:
                 uids.add(row.uid)
     return uids
+
+
+@dataclass(frozen=True)
+class PortHolder:
+    """Who listens on a port: the socket's uid, and the processes holding it where /proc shows them."""
+
+    uid: int
+    pids: tuple[int, ...] = ()
+    commands: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        import pwd
+
+        try:
+            who = f"uid {self.uid} ({pwd.getpwuid(self.uid).pw_name})"
+        except KeyError:
+            who = f"uid {self.uid}"
+        if not self.pids:
+            return who + " (its process is not visible in /proc to this user)"
+        return who + ", " + "; ".join(f"pid {p}: {c or '?'}" for p, c in zip(self.pids, self.commands, strict=True))
+
+
+def portHolders(port: int, procDir: str = "/proc") -> list[PortHolder]:
+    """Every uid listening on TCP ``port``, with the processes that hold those sockets.
+
+    The processes are found by the sockets' inodes in ``<procDir>/*/fd``, so
+    another user's appear only to root."""
+    inodes: dict[int, int] = {}
+    for name in TABLES:
+        for row in socketRows(readTable(name, procDir) or ""):
+            if row.listening and row.local[1] == port:
+                inodes[row.inode] = row.uid
+    found: dict[int, list[int]] = {}
+    try:
+        pids = [int(d) for d in os.listdir(procDir) if d.isdigit()]
+    except OSError:
+        pids = []
+    links = {f"socket:[{inode}]": inode for inode in inodes if inode}
+    for pid in pids:
+        fdDir = os.path.join(procDir, str(pid), "fd")
+        try:
+            fds = os.listdir(fdDir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(os.path.join(fdDir, fd))
+            except OSError:
+                continue
+            if target in links:
+                found.setdefault(inodes[links[target]], [])
+                if pid not in found[inodes[links[target]]]:
+                    found[inodes[links[target]]].append(pid)
+                break
+    holders = []
+    for uid in sorted(set(inodes.values())):
+        held = tuple(sorted(found.get(uid, ())))
+        holders.append(PortHolder(uid, held, tuple(_command(pid, procDir) for pid in held)))
+    return holders
+
+
+def _command(pid: int, procDir: str) -> str:
+    try:
+        with open(os.path.join(procDir, str(pid), "cmdline"), "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return ""
+    # One line, whatever the arguments hold (a `python -c` script has newlines).
+    text = " ".join(" ".join(a.decode("utf-8", "replace").split()) for a in raw.split(b"\0") if a)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def proxyOwner(

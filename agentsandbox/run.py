@@ -212,21 +212,31 @@ def missingTools(
     return problems
 
 
-def dispatcherServesMe(config: Config, environ: Mapping[str, str] | None = None) -> bool:
-    """The system dispatcher holds proxy.port and this uid's service is registered with it.
+def dispatcherDiagnosis(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bool, Problem | None]:
+    """Whether a dispatcher is involved in this user's proxy port, and what is wrong with it.
 
-    ``doctor``'s dispatcher check decides it (port served, the port's listener
-    is the dispatcher's uid by SO_PEERCRED, this uid registered), so ``run``
-    and ``doctor`` never disagree about a shared port.
+    ``doctor``'s dispatcher check decides it (``doctor.checkDispatcher``: the
+    dispatcher runs or this package machine expects one; it serves proxy.port;
+    the port's listener is the dispatcher's uid by SO_PEERCRED; this uid is
+    registered), so ``run`` and ``doctor`` never disagree about a shared port.
+    (False, None): no dispatcher here, the port is the user's own to hold;
+    (True, None): the dispatcher serves this user; (True, problem): it does not,
+    and the problem says why with doctor's fix.
     """
     from agentsandbox.doctor import OK, checkDispatcher
+    from agentsandbox.packaged import machine
     from agentsandbox.paths import locateDispatchSocket
 
     env = os.environ if environ is None else environ
     path = locateDispatchSocket(config.proxy.dispatch_socket, env)
-    if path is None or config.proxy.listen is not None or not os.path.lexists(path):
-        return False
-    return checkDispatcher(config, env, None).status == OK
+    if path is None or config.proxy.listen is not None:
+        return False, None
+    if not os.path.lexists(path) and not machine(env).package:
+        return False, None
+    check = checkDispatcher(config, env, None)
+    if check.status == OK:
+        return True, None
+    return True, Problem(f"the dispatcher: {check.detail}", check.fix or SERVICE_FIX)
 
 
 def enforcementProblems(
@@ -236,31 +246,42 @@ def enforcementProblems(
     proxyCheck: Callable[[int], str | None] = connectTCP,
     brokerCheck: Callable[[str], str | None] = brokerAnswers,
     ownerCheck: Callable[[int], str | None] | None = None,
+    dispatcher: Callable[[Config], tuple[bool, Problem | None]] = dispatcherDiagnosis,
 ) -> list[Problem]:
-    """Every reason the run would not be enforced; empty when it would be."""
+    """Every reason the run would not be enforced; empty when it would be.
+
+    Where a dispatcher is involved (it runs, or this package machine expects
+    one), its diagnosis speaks for the port: doctor's words and fix, never
+    "another user's program" for the dispatcher itself or a user's own
+    unregistered service.
+    """
     problems = missingTools(searchPath, which)
     port = config.proxy.port
-    why = proxyCheck(port)
-    if why is not None:
-        problems.append(
-            Problem(
-                f"the egress proxy does not answer on 127.0.0.1:{port} (proxy.port): {why}",
-                SERVICE_FIX,
-            )
-        )
+    involved, problem = dispatcher(config)
+    if problem is not None:
+        problems.append(problem)
     else:
-        if ownerCheck is None:
-            why = proxyOwner(port, dispatched=lambda: dispatcherServesMe(config))
-        else:
-            why = ownerCheck(port)
+        why = proxyCheck(port)
         if why is not None:
             problems.append(
                 Problem(
-                    f"another user's program listens on the proxy port: {why}",
-                    "stop it, or move agentsandbox to a free port (proxy.port), then "
-                    + SERVICE_FIX,
+                    f"the egress proxy does not answer on 127.0.0.1:{port} (proxy.port): {why}",
+                    SERVICE_FIX,
                 )
             )
+        else:
+            if ownerCheck is None:
+                why = proxyOwner(port, dispatched=lambda: involved)
+            else:
+                why = ownerCheck(port)
+            if why is not None:
+                problems.append(
+                    Problem(
+                        f"another user's program listens on the proxy port: {why}",
+                        "stop it, or move agentsandbox to a free port (proxy.port), then "
+                        + SERVICE_FIX,
+                    )
+                )
     why = brokerCheck(config.broker.spool)
     if why is not None:
         problems.append(Problem(f"the broker does not answer: {why}", SERVICE_FIX))

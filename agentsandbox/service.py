@@ -183,8 +183,9 @@ class AgentSandbox(MultiService):
             terminator=self.injection.injector,
             audit=self.audit,  # type: ignore[arg-type]
         )
+        dispatchSocket = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
         self.proxy = ProxyService(
-            self.proxyFactory, dispatchSocket=locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+            self.proxyFactory, dispatchSocket=dispatchSocket, awaitDispatcher=awaitDispatcher(dispatchSocket, config, self.environ)
         )
         self.proxy.setServiceParent(self)
 
@@ -276,6 +277,21 @@ class AgentSandbox(MultiService):
             "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),
             "injectedRequests": self.injection.injectedRequests(),
         }
+
+
+def awaitDispatcher(dispatchSocket: str | None, config: Config, environ: dict[str, str]) -> str | None:
+    """On a package machine, why the service waits for the dispatcher instead of binding
+    the shared port (and the admin's command that starts it); None elsewhere."""
+    from agentsandbox.packaged import machine
+
+    here = machine(environ)
+    if dispatchSocket is None or config.proxy.listen is not None or not here.package:
+        return None
+    return (
+        f"this machine's package installed a dispatcher ({here.evidence()}), which owns 127.0.0.1:"
+        f"{config.proxy.port} for every user, so this service does not bind it; start the dispatcher "
+        + here.startAdvice(dispatchSocket)
+    )
 
 
 def makeService(config: Config, reactor: Any = None, **kwargs: Any) -> AgentSandbox:

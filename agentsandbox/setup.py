@@ -326,6 +326,21 @@ class Setup:
                 self.record.enabled.append(u)
         self.say(f"systemd: enabled and started {', '.join(units)}")
 
+    def dispatcher(self, config: Config) -> None:
+        """On a package machine whose dispatcher does not run, say how the admin starts it
+        (doctor's dispatcher check, which the run ends with, says the same)."""
+        from agentsandbox.doctor import checkDispatcher
+        from agentsandbox.packaged import machine
+        from agentsandbox.paths import locateDispatchSocket
+
+        path = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+        if path is None or config.proxy.listen is not None or os.path.lexists(path):
+            return
+        if not machine(self.environ).package:
+            return
+        check = checkDispatcher(config, self.environ, None)
+        self.say(f"dispatcher: {check.detail}\n  fix: {check.fix}")
+
     def dropIn(self, config: Config) -> None:
         """Install the machine's drop-in when this user may; else say the root command and its diff.
 
@@ -386,6 +401,7 @@ class Setup:
                 )
             else:
                 self.enable(units)
+            self.dispatcher(config)
             self.dropIn(config)
         finally:
             self.save()

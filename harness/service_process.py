@@ -113,6 +113,9 @@ class UserDirs:
             "LANG": "C.UTF-8",
             "PYTHONPATH": pythonPath if pythonPath is not None else str(REPO),
         }
+        # The suite's choice of machine root (tests/conftest.py: no package machine).
+        if os.environ.get("AGENTSANDBOX_MACHINE_ROOT"):
+            env["AGENTSANDBOX_MACHINE_ROOT"] = os.environ["AGENTSANDBOX_MACHINE_ROOT"]
         env.update(extra or {})
         return env
 

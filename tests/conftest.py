@@ -30,18 +30,34 @@ port = 3190
 """
 
 
+#: Where the session's own temp root goes, whatever ``$TMPDIR`` says: a Unix
+#: socket's path holds at most 107 bytes, and the package build runs the tests
+#: with a long ``TMPDIR`` (scripts/test-deb: ``/tmp/a-long-temporary-directory-name.XXXXXX``,
+#: mode 0700, which nobody cannot enter either).
+SHORT_BASE = "/tmp"
+
+
+def shortBase() -> str:
+    """``SHORT_BASE`` where it is a writable directory, else the usual temp dir."""
+    if os.path.isdir(SHORT_BASE) and os.access(SHORT_BASE, os.W_OK | os.X_OK):
+        return SHORT_BASE
+    return tempfile.gettempdir()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def privateTempRoot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Every tempfile.mkdtemp/mkstemp of the session lands here, and goes at its end.
 
     Many fixtures build homes, spools and repositories with tempfile; a failing
     or interrupted test must not leave them behind in /tmp.  The root is 0755
-    because some tests run commands as nobody inside it.
+    because some tests run commands as nobody inside it, and it is made in
+    ``SHORT_BASE``, not ``$TMPDIR``, so that nobody can reach it and the
+    sockets made in it have short paths however long ``$TMPDIR`` is.
     """
     # pytest's own tmp_path root is fixed first, in the usual place: it cleans
     # that up itself, after this fixture is gone.
     tmp_path_factory.getbasetemp()
-    root = tempfile.mkdtemp(prefix="agentsandbox-tests-")
+    root = tempfile.mkdtemp(prefix="as-tests-", dir=shortBase())
     os.chmod(root, 0o755)
     previous = tempfile.tempdir
     tempfile.tempdir = root
@@ -85,6 +101,35 @@ class User:
 
 
 @pytest.fixture
+def shortDir() -> Iterator[Path]:
+    """A fresh directory with a short path (under the session's root, not ``$TMPDIR``):
+    for Unix sockets, and for a ``TMPDIR`` or runtime dir given to programs that make them."""
+    path = Path(tempfile.mkdtemp(prefix="s-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def readableSource(privateTempRoot: str) -> str:
+    """A copy of the ``agentsandbox`` package that another user (nobody) can import.
+
+    The checkout may be private (a 0700 build tree: dpkg-buildpackage's, or a
+    home), so a child run as nobody with ``PYTHONPATH`` at the checkout would
+    fail to import.  Give it this directory instead.
+    """
+    target = os.path.join(privateTempRoot, "readable-source")
+    shutil.copytree(REPO / "agentsandbox", os.path.join(target, "agentsandbox"),
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for root, _dirs, files in os.walk(target):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    return target
+
+
+@pytest.fixture
 def user(tmp_path: Path) -> User:
     base = tmp_path.resolve()
     home = base / "home"
@@ -110,6 +155,7 @@ def user(tmp_path: Path) -> User:
         "TMPDIR": str(tmp),
         "XDG_RUNTIME_DIR": str(runtime),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        **suiteEnv(),
     }
     return User(base=base, home=home, runtime=runtime, tmp=tmp, env=env)
 
@@ -161,3 +207,35 @@ def hookDecision(user: User, tool: str, cwd: str | None = None, **toolInput: Any
     reason: str = spec["permissionDecisionReason"]
     return reason
 
+
+
+def suiteEnv() -> dict[str, str]:
+    """What an environment built from scratch for a child must carry: the suite's
+    machine root (``notAPackageMachine``)."""
+    from agentsandbox.packaged import ROOT_ENV
+
+    return {ROOT_ENV: os.environ[ROOT_ENV]} if os.environ.get(ROOT_ENV) else {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def notAPackageMachine(privateTempRoot: str) -> Iterator[str]:
+    """The suite's services and checks see no package machine (``machine.ROOT_ENV``).
+
+    A .deb installed meanwhile by another run (scripts/test-deb) lays down the
+    dispatcher's unit and /etc/agentsandbox/config.toml, which would make a
+    service started here wait for a dispatcher instead of binding its port.
+    Tests of a package machine make one in a directory and name it themselves.
+    """
+    from agentsandbox.packaged import ROOT_ENV
+
+    root = os.path.join(privateTempRoot, "no-package-machine")
+    os.makedirs(root)
+    previous = os.environ.get(ROOT_ENV)
+    os.environ[ROOT_ENV] = root
+    try:
+        yield root
+    finally:
+        if previous is None:
+            os.environ.pop(ROOT_ENV, None)
+        else:
+            os.environ[ROOT_ENV] = previous

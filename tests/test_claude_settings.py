@@ -176,7 +176,7 @@ def test_install_keeps_an_existing_base_file(user: User, tmp_path: Path) -> None
 
 
 def test_install_without_permission_names_the_root_command_and_stages_nothing(
-    user: User, request: pytest.FixtureRequest
+    user: User, request: pytest.FixtureRequest, readableSource: str
 ) -> None:
     """One root command that renders from the machine's config; no copy of anything is left behind."""
     import shutil
@@ -185,7 +185,7 @@ def test_install_without_permission_names_the_root_command_and_stages_nothing(
 
     from tests.conftest import REPO
 
-    top = Path(tempfile.mkdtemp(prefix="agentsandbox-install-"))
+    top = Path(tempfile.mkdtemp(prefix="install-"))
     request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
     top.chmod(0o755)
     managed = top / "has space" / "claude-code"
@@ -204,7 +204,8 @@ def test_install_without_permission_names_the_root_command_and_stages_nothing(
         capture_output=True,
         text=True,
         user=65534 if asRoot else None,
-        env={"PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
+        # As nobody, the checkout itself may not be readable (a 0700 build tree).
+        env={"PYTHONPATH": readableSource if asRoot else str(REPO), "HOME": "/nonexistent"},
         check=True,
         cwd=str(top),
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import claude, doctor, probes
+from agentsandbox.probes import systemRunner
 from tests.conftest import REPO, MachineConfig, User
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
@@ -303,6 +304,74 @@ def test_tokens_from_the_service_report(user: User) -> None:
     assert doctor.checkTokens(rules[:1], {"tokens": []})[0].status == doctor.UNKNOWN
 
 
+def _fakeGh(tmp_path: Path, body: str) -> dict[str, str]:
+    bindir = tmp_path / "gh-bin"
+    bindir.mkdir(exist_ok=True)
+    gh = bindir / "gh"
+    gh.write_text("#!/bin/sh\n" + body + "\n")
+    gh.chmod(0o755)
+    return {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+
+def test_the_builtin_github_rule_warns_without_a_login_and_fails_nothing(user: User, tmp_path: Path) -> None:
+    config = user.config('[sandbox]\ndomains = ["github.com", "*.github.com"]\n')
+    assert config.inject_builtin and all(r.builtin for r in config.inject)
+    builtin = doctor.checkBuiltinGithub(config)
+    assert builtin is not None and builtin.status == doctor.OK
+    assert "github.com, api.github.com, uploads.github.com" in builtin.detail
+    # The service says gh gave nothing: a warning, and the fix names both ways out.
+    failing = {"tokens": [{"hosts": ["github.com", "api.github.com", "uploads.github.com"], "present": False,
+                           "lastError": "gh auth token: exit status 4"}]}  # fmt: skip
+    checks = doctor.checkTokens(config.inject, failing, source=config.source)
+    assert [c.status for c in checks] == [doctor.WARN, doctor.WARN]
+    assert "inactive" in checks[0].detail and "exit status 4" in checks[0].detail
+    fix = checks[0].fix or ""
+    assert "`gh auth login`" in fix and f"`inject = []` in {config.source}" in fix
+    # The service is not answering: doctor asks a fake gh on the PATH itself, as this user.
+    notLoggedIn = systemRunner(_fakeGh(tmp_path, 'echo "not logged into any GitHub hosts" >&2; exit 1'))
+    checks = doctor.checkTokens(config.inject, None, notLoggedIn, config.source)
+    assert [c.status for c in checks] == [doctor.WARN, doctor.WARN]
+    assert "not logged into any GitHub hosts" in checks[0].detail
+    assert not any(c.failed for c in checks)
+    empty = systemRunner(_fakeGh(tmp_path, "exit 0"))
+    assert [c.status for c in doctor.checkTokens(config.inject, None, empty, config.source)] == [doctor.WARN] * 2
+    loggedIn = systemRunner(_fakeGh(tmp_path, 'echo "gho_fake0token0for0doctor"'))
+    checks = doctor.checkTokens(config.inject, None, loggedIn, config.source)
+    assert [c.status for c in checks] == [doctor.OK, doctor.OK]
+    assert "gives a token" in checks[0].detail and "gho_" not in checks[0].detail
+    present = {"tokens": [{"hosts": ["github.com"], "present": True}]}
+    assert doctor.checkTokens(config.inject[:1], present)[0].status == doctor.OK
+
+
+def test_the_builtin_github_rule_without_a_github_host_is_inactive_with_a_warning(user: User) -> None:
+    config = user.config('[sandbox]\ndomains = ["example.org"]\n')
+    assert config.inject_builtin and config.inject == ()
+    c = doctor.checkBuiltinGithub(config)
+    assert c is not None and c.status == doctor.WARN and not c.failed
+    assert "admits none of github.com, api.github.com, uploads.github.com" in c.detail
+    assert c.fix is not None and "`gh auth login`" in c.fix and f"`inject = []` in {config.source}" in c.fix
+    # Only the allowed GitHub hosts are covered.
+    narrow = user.config('[sandbox]\ndomains = ["github.com"]\n')
+    assert [r.hosts for r in narrow.inject] == [("github.com",)]
+    # A config that names its inject has no built-in rule to speak of.
+    assert doctor.checkBuiltinGithub(user.config('inject = []\n[sandbox]\ndomains = ["github.com"]\n')) is None
+
+
+def test_an_explicit_rule_without_its_token_still_fails(user: User, tmp_path: Path) -> None:
+    config = user.config(
+        '[sandbox]\ndomains = ["github.com"]\n\n'
+        '[[inject]]\nhosts = ["github.com"]\nformat = "token {token}"\ntoken_command = ["gh", "auth", "token"]\n'
+    )
+    assert not config.inject_builtin and not config.inject[0].builtin
+    assert doctor.checkBuiltinGithub(config) is None
+    failing = {"tokens": [{"hosts": ["github.com"], "present": False, "lastError": "gh: not logged in"}]}
+    c = doctor.checkTokens(config.inject, failing, source=config.source)[0]
+    assert c.status == doctor.FAIL and c.fix is not None and "gh auth login" in c.fix
+    # Not probed here: an explicit rule's state is the service's to report.
+    runner = systemRunner(_fakeGh(tmp_path, 'echo "gho_fake0token"'))
+    assert doctor.checkTokens(config.inject, None, runner, config.source)[0].status == doctor.UNKNOWN
+
+
 def _certificatePEM() -> bytes:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -359,13 +428,14 @@ def _needSandboxTools() -> None:
         pytest.skip(f"doctor's full run needs {', '.join(missing)} (.ci/install-deps installs them)")
 
 
-def test_doctor_passes_when_everything_is_in_place(user: User, tmp_path: Path) -> None:
+def test_doctor_passes_when_everything_is_in_place(user: User, tmp_path: Path, shortDir: Path) -> None:
     _needSandboxTools()
     port = freePort()
     user.writeConfig(f'inject = []\n\n[sandbox]\ndomains = ["example.org"]\n\n[proxy]\nport = {port}\n')
     managed = tmp_path / "managed"
     managed.mkdir()
-    env = _doctorEnv(user)
+    # srt makes its bridge sockets in $TMPDIR: a long one (the package build's) overflows them.
+    env = dict(_doctorEnv(user), TMPDIR=str(shortDir))
     installed = _cli(env, "install", "--managed-dir", str(managed))
     assert installed.returncode == 0, installed.stderr
     egress = user.runtime / "agentsandbox" / "egress"
@@ -403,9 +473,11 @@ def test_doctor_fails_with_each_fix_when_nothing_is_set_up(user: User, tmp_path:
     for line in (
         "FAIL    bubblewrap", "FAIL    srt ", "FAIL    Claude Code drop-in", "FAIL    server-managed settings",
         "FAIL    broker", "FAIL    egress proxy", "FAIL    CA bundle",
-        "unknown token for github.com", "unknown Claude Code",
+        "warn    token for github.com", "unknown Claude Code",
     ):
         assert line in out, (line, out)
+    # No gh on the PATH: the built-in GitHub rule is inactive, a warning whose fix offers both ways.
+    assert "`gh auth login`" in out and "`inject = []`" in out
     assert "same user" not in out  # nothing to compare without a service
     assert out.count("fix: ") >= 7
     assert out.rstrip().endswith("checks failed")

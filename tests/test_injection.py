@@ -150,6 +150,75 @@ class InjectionServiceReloads(TestCase):
         self.assertFalse(os.path.exists(config.paths.egressDir))
 
 
+def fakeGh(directory: str, body: str) -> dict[str, str]:
+    """An environment whose PATH finds a ``gh`` that runs ``body`` (sh)."""
+    bindir = os.path.join(directory, "bin")
+    os.makedirs(bindir, exist_ok=True)
+    gh = os.path.join(bindir, "gh")
+    with open(gh, "w") as f:
+        f.write("#!/bin/sh\n" + body + "\n")
+    os.chmod(gh, 0o755)
+    return {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": directory}
+
+
+class TheBuiltinGithubRule(TestCase):
+    """The built-in rule terminates GitHub's hosts only while ``gh auth token`` gives a token."""
+
+    def setUp(self) -> None:
+        self.configs = Configs(self)
+
+    def builtin(self, domains: Sequence[str] = ("github.com", "*.github.com")) -> Config:
+        listed = ", ".join(f'"{d}"' for d in domains)
+        return loads(f"[sandbox]\ndomains = [{listed}]\n".encode(), "<test config>", self.configs.paths)
+
+    async def started(self, config: Config, environ: dict[str, str]) -> InjectionService:
+        service = InjectionService(ConfigHolder(config), reactor, environ=environ)
+        service.startService()
+        self.addCleanup(service.stopService)
+        status = service.tokens.statuses
+        await until(lambda: status()[0].present or status()[0].failures > 0, what="the first gh auth token")
+        return service
+
+    @deferredTest
+    async def test_withoutALoginGithubIsTunnelledUntouched(self) -> None:
+        env = fakeGh(self.configs.base, 'echo "gh: To get started with GitHub CLI, please run:  gh auth login" >&2; exit 4')
+        service = await self.started(self.builtin(), env)
+        self.assertFalse(service.tokens.statuses()[0].present)
+        for host in ("github.com", "api.github.com", "uploads.github.com"):
+            self.assertFalse(service.injector.injects(host, 443), host)
+
+    @deferredTest
+    async def test_withALoginGithubIsTerminated(self) -> None:
+        env = fakeGh(self.configs.base, 'echo "gho_fake0token0from0gh"')
+        service = await self.started(self.builtin(), env)
+        self.assertTrue(service.tokens.statuses()[0].present)
+        for host in ("github.com", "api.github.com", "uploads.github.com"):
+            self.assertTrue(service.injector.injects(host, 443), host)
+
+    @deferredTest
+    async def test_onlyTheAllowedGithubHostsAreCovered(self) -> None:
+        env = fakeGh(self.configs.base, 'echo "gho_fake0token0from0gh"')
+        service = await self.started(self.builtin(("github.com",)), env)
+        self.assertTrue(service.injector.injects("github.com", 443))
+        self.assertFalse(service.injector.injects("api.github.com", 443))
+
+    def test_noGithubHostAllowedNoRuleNoKeeper(self) -> None:
+        config = self.builtin(("example.org",))
+        self.assertTrue(config.inject_builtin)
+        self.assertEqual(config.inject, ())
+        service = injectionFor(config)
+        self.assertIsNone(service.ca)
+        self.assertEqual(service.tokens.statuses(), [])
+
+    @deferredTest
+    async def test_anExplicitRuleWithoutItsTokenIsStillTerminated(self) -> None:
+        # What [[inject]] names is the person's: it stays in force (and doctor fails) without a token.
+        config = self.configs.make('[[inject]]\nhosts = ["api.github.com"]\nformat = "token {token}"\ntoken_env = "UNSET_T"\n')
+        service = await self.started(config, {"PATH": "/usr/bin:/bin"})
+        self.assertFalse(service.tokens.statuses()[0].present)
+        self.assertTrue(service.injector.injects("api.github.com", 443))
+
+
 class _Answer(Protocol):
     def dataReceived(self, data: bytes) -> None:
         assert self.transport is not None

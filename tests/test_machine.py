@@ -306,3 +306,13 @@ def test_the_helper_names_the_agentsandbox_beside_it(tmp_path: Path) -> None:
     assert policyhelper.installationExe(str(helper)) == str(tmp_path / "bin" / "agentsandbox")
     assert policyhelper.installationExe(claude.HELPER_NAME) is None
     assert policyhelper.installationExe(str(tmp_path / "bin" / "other")) is None
+
+
+def test_the_built_in_github_rule_follows_the_narrowed_allow_list(user: User, machineFile: MachineConfig) -> None:
+    machineFile.write('[sandbox]\ndomains = ["github.com", "api.github.com", "example.org"]\n')
+    assert [r.hosts for r in load(None, user.env).inject] == [("github.com",), ("api.github.com",)]
+    user.writeConfig('[sandbox]\ndomains = ["example.org"]\n')
+    narrowed = load(None, user.env)
+    assert narrowed.inject_builtin and narrowed.inject == ()
+    user.writeConfig('inject = []\n')
+    assert not load(None, user.env).inject_builtin

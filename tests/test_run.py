@@ -25,7 +25,7 @@ from agentsandbox.config import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from harness.service_process import HelloServer, ServiceProcess, serveArgv
-from tests.conftest import REPO
+from tests.conftest import REPO, suiteEnv
 from tests.support.standin import StandInProxy, freePort, startBroker, stopBroker
 
 SRT_TOOLS = ("srt", "bwrap", "socat", "rg", "node")
@@ -113,6 +113,7 @@ def _makeHost(base: Path) -> Host:
         "PYTHONPATH": str(REPO),
         "LANG": "C.UTF-8",
         "FOO_UNLISTED": "dropped",
+        **suiteEnv(),
     }
     host = Host(base=base, home=home, work=work, env=env, port=freePort())
     host.writeConfig()
@@ -387,6 +388,24 @@ def test_enforcement_problems_reports_every_missing_part(idle: Host) -> None:
     assert runModule.enforcementProblems(
         config, "/x", which=lambda n, path=None: "/x/" + n, proxyCheck=lambda p: None, brokerCheck=lambda s: None
     ) == []
+
+
+def test_a_dispatcher_problem_speaks_for_the_port(idle: Host) -> None:
+    """Where a dispatcher is involved, run gives its diagnosis (doctor's) instead of the port probes'."""
+    config = loads(idle.config.read_bytes(), str(idle.config), Paths.fromEnvironment(idle.env))
+    said = runModule.Problem("the dispatcher: the dispatcher on /run/d.sock serves 127.0.0.1:3190 but no service "
+                             "of uid 1000 is registered", "start the service")  # fmt: skip
+    found = runModule.enforcementProblems(
+        config, "/x", which=lambda n, path=None: "/x/" + n,
+        proxyCheck=lambda port: pytest.fail("the port is the dispatcher's to diagnose"),
+        brokerCheck=lambda s: None, dispatcher=lambda c: (True, said),
+    )  # fmt: skip
+    assert found == [said]
+    # Served by the dispatcher: another uid's listener (the dispatcher's) is no squatter.
+    assert runModule.enforcementProblems(
+        config, "/x", which=lambda n, path=None: "/x/" + n, proxyCheck=lambda p: None,
+        brokerCheck=lambda s: None, dispatcher=lambda c: (True, None),
+    ) == []  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the settings file

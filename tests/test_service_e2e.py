@@ -53,6 +53,7 @@ import pytest
 
 from agentsandbox.audit import readRecords
 from agentsandbox.run import BRIDGE_WAIT
+from tests.conftest import suiteEnv
 from tests.support.claude_harness import (
     CANARY_ENV,
     CANARY_KEY,
@@ -110,6 +111,7 @@ def _missing() -> str | None:
 
 def _env(*names: str, **extra: str) -> dict[str, str]:
     env = {n: os.environ[n] for n in names if n in os.environ}
+    env.update(suiteEnv())
     env.update(extra)
     return env
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,8 +149,10 @@ def test_rendered_units_point_at_this_install() -> None:
 
 
 def _verify(tmp_path: Path, *units: Path) -> subprocess.CompletedProcess[str]:
-    runtime = tmp_path / "xdg-runtime"
-    runtime.mkdir(exist_ok=True, mode=0o700)
+    # Short, whatever $TMPDIR is: systemd refuses the user units' socket paths
+    # under a long runtime dir ("File name too long").
+    runtime = Path(tempfile.mkdtemp(prefix="xdg-"))
+    runtime.chmod(0o700)
     return subprocess.run(
         ["systemd-analyze", "--user", "verify", *map(str, units)],
         env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)),
@@ -421,3 +424,26 @@ def test_setup_under_sudo_is_refused(machine: Machine) -> None:
     p = machine.setup()
     assert p.returncode == 2 and "run it as alice, without sudo" in p.stderr
     assert not Path(machine.paths.userConfig).exists() and machine.calls() == []
+
+
+def test_setup_on_a_package_machine_without_a_dispatcher_says_how_to_start_it(machine: Machine, tmp_path: Path) -> None:
+    from agentsandbox.packaged import ROOT_ENV
+
+    root = tmp_path / "package-machine"
+    (root / "lib" / "systemd" / "system").mkdir(parents=True)
+    (root / "lib" / "systemd" / "system" / "agentsandbox-dispatch.socket").write_text(
+        setupModule.shippedUnit("agentsandbox-dispatch.socket")
+    )
+    absent = tmp_path / "no-dispatcher" / "dispatch.sock"
+    env = dict(machine.env, **{ROOT_ENV: str(root), "AGENTSANDBOX_DISPATCH_SOCKET": str(absent)})
+    said: list[str] = []
+    setupModule.Setup(env, systemRunner(env), managed=str(machine.managed), say=said.append).run()
+    lines = [s for s in said if s.startswith("dispatcher: ")]
+    assert len(lines) == 1, said
+    assert "not running on this package machine" in lines[0]
+    assert f"`sudo agentsandbox dispatch --socket {absent}`" in lines[0] and "Order:" in lines[0]
+    # Not a package machine: nothing to say.
+    said.clear()
+    env[ROOT_ENV] = str(tmp_path / "empty")
+    setupModule.Setup(env, systemRunner(env), managed=str(machine.managed), say=said.append).run()
+    assert not [s for s in said if s.startswith("dispatcher: ")], said

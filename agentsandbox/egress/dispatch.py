@@ -1020,9 +1020,26 @@ def bindTCP(port: int) -> list[socket.socket]:
                 continue
             for s in sockets:
                 s.close()
-            raise DispatchStartError(f"cannot listen on {_showAddress((host, port))}: {e.strerror or e} (another agentsandbox on the port?)") from None
+            why = portTaken(port) if e.errno == errno.EADDRINUSE else "(another agentsandbox on the port?)"
+            raise DispatchStartError(f"cannot listen on {_showAddress((host, port))}: {e.strerror or e}: {why}") from None
         sockets.append(sock)
     return sockets
+
+
+def portTaken(port: int, procDir: str = "/proc") -> str:
+    """Who holds ``port`` (uid, and pid and command where /proc shows them), and the recovery order."""
+    from agentsandbox.probes import portHolders
+
+    holders = portHolders(port, procDir)
+    held = "; ".join(h.describe() for h in holders) if holders else "by a socket this process cannot see"
+    pids = [str(p) for h in holders for p in h.pids]
+    stop = "stop it (if it is a user's agentsandbox service, that user runs `systemctl --user stop agentsandbox` or ends `agentsandbox serve`"
+    stop += f"; as root: `kill {' '.join(pids)}`)" if pids else ")"
+    return (
+        f"the port is held by {held}. Recovery, in this order: {stop}; start the dispatcher again; "
+        "then start that user's service again: on a machine with the dispatcher's unit or "
+        f"{SYSTEM_CONFIG} it waits for the dispatcher and registers instead of binding the port"
+    )
 
 
 def bindRegistration(path: str) -> socket.socket:

@@ -135,6 +135,16 @@ class Route:
         self.headerPrefix = self.headerName + b": "
         self.hostLine = b"host: " + self.host.encode("ascii") + b"\r\n"
 
+    def active(self) -> bool:
+        """Whether tunnels to this host are terminated now.
+
+        A ``[[inject]]`` rule of the config always is (a request without its
+        token goes out without the header, and ``doctor`` fails).  The built-in
+        GitHub rule only while its keeper holds a token: until ``gh auth token``
+        answers, GitHub's hosts are tunnelled like any allowed host, end to end.
+        """
+        return not self.rule.builtin or self.keeper.token() is not None
+
     def headerValue(self) -> bytes | None:
         """The header value for the current token; None (and one warning) without one."""
         token = self.keeper.token()
@@ -251,8 +261,12 @@ class Injector:
     # ------------------------------------------------------------------ ITerminator
 
     def injects(self, host: str, port: int) -> bool:
-        """Whether a tunnel to ``host:port`` is terminated here: the routes in force now, port 443."""
-        return port == HTTPS_PORT and host in self.routes
+        """Whether a tunnel to ``host:port`` is terminated here: the routes in force now, port 443,
+        and for the built-in GitHub rule only while its token is held (``Route.active``)."""
+        if port != HTTPS_PORT:
+            return False
+        route = self.routes.get(host)
+        return route is not None and route.active()
 
     def terminate(self, host: str, addresses: Sequence[IPAddress]) -> IProtocol:
         route = self.routes.get(host)

@@ -754,10 +754,21 @@ class ProxyService(Service):
 
     log = Logger(namespace="agentsandbox.egress")
 
-    def __init__(self, factory: EgressProxyFactory, endpoint: str | None = None, dispatchSocket: str | None = None) -> None:
+    def __init__(
+        self,
+        factory: EgressProxyFactory,
+        endpoint: str | None = None,
+        dispatchSocket: str | None = None,
+        awaitDispatcher: str | None = None,
+    ) -> None:
         self.factory = factory
         self.endpoint = endpoint
         self.dispatchSocket = dispatchSocket
+        #: On a package machine (``machine.Machine.package``): why the service waits for the
+        #: dispatcher when its socket is missing, and how the admin starts it.  The shared
+        #: port is the dispatcher's there; a service that bound it would keep the dispatcher
+        #: (and every other user) out.
+        self.awaitDispatcher = awaitDispatcher
         self.port: IListeningPort | None = None
         #: The registration with the dispatcher, when the service uses one.
         self.registration: Any = None
@@ -778,7 +789,9 @@ class ProxyService(Service):
         """Whether this start registers with the dispatcher rather than binding the port."""
         config = self.factory.holder.current
         path = self.dispatchSocket
-        return self.endpoint is None and config.proxy.listen is None and path is not None and os.path.exists(path)
+        if self.endpoint is not None or config.proxy.listen is not None or path is None:
+            return False
+        return os.path.exists(path) or self.awaitDispatcher is not None
 
     def startService(self) -> None:
         super().startService()
@@ -818,7 +831,14 @@ class ProxyService(Service):
         self.registration = DispatchRegistration(
             self.factory, self.dispatchSocket, self.factory.reactor, onRegistered=registered
         )
-        self.log.info("egress proxy: registering with the dispatcher on {path} instead of binding the port", path=self.dispatchSocket)
+        if os.path.exists(self.dispatchSocket) or self.awaitDispatcher is None:
+            self.log.info("egress proxy: registering with the dispatcher on {path} instead of binding the port", path=self.dispatchSocket)
+        else:
+            self.log.warn(
+                "egress proxy: no dispatcher on {path} yet; {why}; the service waits for it and "
+                "registers when it starts (it serves nothing meanwhile)",
+                path=self.dispatchSocket, why=self.awaitDispatcher,
+            )  # fmt: skip
         # No port starts the factory here (its sweeper of stale half-read connections).
         self.factory.doStart()
         self.registration.startService()

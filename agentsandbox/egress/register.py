@@ -154,6 +154,8 @@ class DispatchRegistration(Service):
         self.adopted = 0
         self.registrations = 0
         self.lastError: str | None = None
+        #: Why this user's proxy.port is not the port served (the dispatcher's wins), or None.
+        self.portOverridden: str | None = None
         #: The dispatcher's last refusal of this service, said once however often it repeats.
         self.refusal: str | None = None
         self._refusedNow = False
@@ -204,8 +206,27 @@ class DispatchRegistration(Service):
             again="re-" if self._everRegistered else "", path=self.path, ports=", ".join(self.ports) or "?", uid=self.uid,
         )  # fmt: skip
         self._everRegistered = True
+        self._notePort()
         if self.onRegistered is not None:
             self.onRegistered(self)
+
+    def _notePort(self) -> None:
+        """Say once (not at every re-registration) that the dispatcher's port overrides proxy.port."""
+        config: Any = getattr(getattr(self.factory, "holder", None), "current", None)
+        port = getattr(getattr(config, "proxy", None), "port", None)
+        if config is None or port is None or not self.ports:
+            return
+        note = None
+        if f"127.0.0.1:{port}" not in self.ports:
+            note = (
+                f"proxy.port {port} in {config.source} is not used: the dispatcher hands this service "
+                f"the connections of this user to {', '.join(self.ports)} (the machine's port, which "
+                f"the drop-in names); a sandbox that dials {port} (`agentsandbox run`, a bridge) reaches "
+                "nothing, so set proxy.port to the dispatcher's port or leave it unset"
+            )
+            if note != self.portOverridden:
+                log.warn("{note}", note=note)
+        self.portOverridden = note
 
     def replaced(self) -> None:
         self.state = REPLACED
@@ -276,6 +297,7 @@ class DispatchRegistration(Service):
             "adopted": self.adopted,
             "registrations": self.registrations,
             "lastError": self.lastError,
+            "portOverridden": self.portOverridden,
         }
 
 
