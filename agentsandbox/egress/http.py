@@ -58,6 +58,7 @@ from agentsandbox.egress.http11 import (
     oneHost,
     takeResponseHead,
 )
+from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 
 if TYPE_CHECKING:
@@ -531,6 +532,7 @@ class ForwardUpstream(Protocol):
         self.exchange = exchange
 
     def connectionMade(self) -> None:
+        noDelay(self.transport)
         self.exchange.upstreamReady(self)
 
     def dataReceived(self, data: bytes) -> None:
@@ -554,6 +556,7 @@ class ParentHandshake(Protocol):
         self.switched = False
 
     def connectionMade(self) -> None:
+        noDelay(self.transport)
         self.transport.write(b"CONNECT %b HTTP/1.1\r\nhost: %b\r\n\r\n" % (self.authority, self.authority))
 
     def failed(self, f: Failure) -> None:

@@ -37,6 +37,8 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.egress.nodelay import noDelay
+
 #: Called once when a tunnel ends: (tunnel, why) where why is None for a clean end.
 OnClose = Callable[["Tunnel", "str | None"], None]
 
@@ -57,6 +59,9 @@ class UpstreamProtocol(Protocol):
         self._earlyLost: Failure | None = None
 
     def connectionMade(self) -> None:
+        # Every dial's socket, whichever dialler made it (through a parent
+        # proxy, ParentHandshake has set it already; a second call is harmless).
+        noDelay(self.transport)
         connected, self.onConnected = self.onConnected, None
         if connected is not None:
             connected(self)

@@ -60,6 +60,7 @@ from twisted.python.failure import Failure
 from zope.interface import directlyProvides, implementer, providedBy
 
 from agentsandbox.egress.interfaces import ICountedTunnel
+from agentsandbox.egress.nodelay import noDelay
 
 #: Plaintext taken from OpenSSL per read: a TLS record holds at most 16 KiB,
 #: so one read usually empties one record.
@@ -167,12 +168,7 @@ class TLSStream(Protocol):
     def makeConnection(self, transport: Any) -> None:
         # Every write is a whole record meant to go now: Nagle would only hold
         # a response back behind the peer's delayed ACK.
-        setNoDelay = getattr(transport, "setTcpNoDelay", None)
-        if setNoDelay is not None:
-            try:
-                setNoDelay(True)
-            except OSError:
-                pass
+        noDelay(transport)
         self._tls = self._context.wrap_bio(
             self._incoming,
             self._outgoing,
