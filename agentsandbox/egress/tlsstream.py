@@ -61,6 +61,7 @@ from zope.interface import directlyProvides, implementer, providedBy
 
 from agentsandbox.egress.interfaces import ICountedTunnel
 from agentsandbox.egress.nodelay import noDelay
+from agentsandbox.egress.writenow import writeNow
 
 #: Plaintext taken from OpenSSL per read: a TLS record holds at most 16 KiB,
 #: so one read usually empties one record.
@@ -94,23 +95,7 @@ class WriteThrough:
         return getattr(self._transport, name)
 
     def write(self, data: bytes) -> None:
-        t = self._transport
-        if (
-            t._tempDataBuffer
-            or len(t.dataBuffer) > t.offset
-            or not t.connected
-            or t.disconnecting
-            or getattr(t, "_writeDisconnected", False)
-        ):
-            t.write(data)
-            return
-        sent = t.writeSomeData(data)
-        if not isinstance(sent, int):
-            # The connection is gone; the transport's own write finds out and
-            # reports it through connectionLost as usual.
-            t.write(data)
-        elif sent < len(data):
-            t.write(data[sent:])
+        writeNow(self._transport, data)
 
     def writeSequence(self, data: Any) -> None:
         self.write(b"".join(data))
