@@ -25,6 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 
+from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.dispatch import bindTCP
 from agentsandbox.egress.register import _serveAdopted
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
@@ -146,7 +147,8 @@ class NoDelayTests(TestCase):
         echo = await listen(Factory.forProtocol(Echo))
         self.addCleanup(echo.stopListening)
         port = echo.getHost().port
-        h = ProxyHarness([f"127.0.0.1:{port}"], **kw)
+        # The default dialer (its own connect) on the loopback address the entry allows.
+        h = ProxyHarness([f"127.0.0.1:{port}"], dialer=tcpDialer(reactor), **kw)
         await h.start()
         self.addCleanup(h.stop)
         return h, port
