@@ -33,7 +33,8 @@ injector.  With ``--compare CHECKOUT``, that checkout's proxy and injector run
 in the same rounds (``agentsandbox@NAME`` rows): before and after in one run.
 
 Contenders are interleaved exchange by exchange (one exchange on each, then
-the next), so load from elsewhere on the machine hits all of them alike.
+the next, starting from the next contender each round), so load from elsewhere
+on the machine hits all of them alike.
 Every server is its own process; all share this machine's CPUs.
 """
 
@@ -272,6 +273,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def rotated(contenders: list[Contender], i: int) -> list[Contender]:
+    """The contenders in turn, starting from a different one each round: one that
+    runs right after a busy one (mitmproxy still finishing its last connection)
+    would otherwise always share the CPUs with that one's tail."""
+    k = i % len(contenders) if contenders else 0
+    return contenders[k:] + contenders[:k]
+
+
 def measure(contenders: list[Contender], exchanges: int, connections: int) -> None:
     """Kept exchanges, then new connections, interleaved across the contenders."""
     live = [c for c in contenders if c.error is None]
@@ -285,8 +294,8 @@ def measure(contenders: list[Contender], exchanges: int, connections: int) -> No
         except OSError as e:
             c.error = f"{e}"
     live = [c for c in live if c.error is None]
-    for _ in range(exchanges):
-        for c in live:
+    for i in range(exchanges):
+        for c in rotated(live, i):
             if c.error is not None:
                 continue
             try:
@@ -295,8 +304,8 @@ def measure(contenders: list[Contender], exchanges: int, connections: int) -> No
                 c.error = f"kept exchange: {e}"
     for s in socks.values():
         s.close()
-    for _ in range(connections):
-        for c in live:
+    for i in range(connections):
+        for c in rotated(live, i):
             if c.error is not None:
                 continue
             try:
