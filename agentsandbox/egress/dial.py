@@ -153,8 +153,16 @@ class _Connecting:
             self._connected()
 
     def connectionLost(self, reason: Failure) -> None:
-        # The reactor dropped the descriptor (it is stopping).
-        self._fail(error.ConnectError(string=reason.getErrorMessage()))
+        # epoll reported an error or hang-up (a refusal that came as a reset), or
+        # the reactor is stopping: the socket's own error says which, when it has one.
+        try:
+            result = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError:
+            result = 0
+        if result:
+            self._fail(error.getConnectError((result, os.strerror(result))))
+        else:
+            self._fail(error.ConnectError(string=reason.getErrorMessage()))
 
     def _connected(self) -> None:
         try:
