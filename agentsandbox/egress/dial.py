@@ -123,8 +123,8 @@ class _Connecting:
             reactor.callLater(0, failed, Failure(error.getConnectError((e.errno, e.strerror))))
             return
         sock.setblocking(False)
-        # Before the SYN, so the handshake's last ACK may carry the first bytes
-        # (the upstream's connectionMade sets it too, for every dialler).
+        # No Nagle from the first byte (egress/nodelay.py says why; the upstream's
+        # connectionMade sets it again, for the dialers that are not this one).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         result = sock.connect_ex((str(ip), port))
         if result in (0, errno.EISCONN):
