@@ -26,7 +26,8 @@ for each path:
 
 against ``direct`` (no proxy) and the anchors the other benchmarks use:
 squid (started as ``bench/egress.py`` starts it) for tunnels and forwarding,
-mitmproxy (started as ``bench/inject.py`` starts it) for the terminated path.
+mitmproxy (started as ``bench/inject.py`` starts it: ``mitmdump`` from
+``.venv-bench`` or ``PATH``; without it its rows say why) for the terminated path.
 agentsandbox runs ``bench/egress.py``'s proxy (real policy path: allow list,
 address rules, same-user peer check, audit log) and ``bench/inject.py``'s
 injector.  With ``--compare CHECKOUT``, that checkout's proxy and injector run
