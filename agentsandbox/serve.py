@@ -126,7 +126,7 @@ def _run(config: Config, configPath: str | None, env: dict[str, str] | None, ups
     from twisted.logger import globalLogBeginner, textFileLogObserver
     from twisted.python.failure import Failure
 
-    from agentsandbox.service import makeService
+    from agentsandbox.service import freezeStartupHeap, makeService
 
     reactor: Any = installed
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
@@ -157,6 +157,7 @@ def _run(config: Config, configPath: str | None, env: dict[str, str] | None, ups
         return service.stopService() if service.running else None
 
     reactor.callWhenRunning(start)
+    reactor.callWhenRunning(freezeStartupHeap)
     reactor.addSystemEventTrigger("before", "shutdown", stop)
     reactor.run()
     if failed:

@@ -36,6 +36,7 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     from agentsandbox.config import ConfigError, load
+    from agentsandbox.service import freezeStartupHeap
     from agentsandbox.service import makeService as make
 
     try:
@@ -48,6 +49,7 @@ def makeService(options: Options) -> IService:
     # so systemd's Restart=on-failure and the journal see it, rather than a
     # half-running service.
     service.listening.addErrback(lambda _: reactor.callWhenRunning(reactor.stop))
+    reactor.callWhenRunning(freezeStartupHeap)
     _made.append(service)
     return service
 

@@ -203,6 +203,7 @@ def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str, 
     from agentsandbox.config import loads
     from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
     from agentsandbox.paths import Paths
+    from agentsandbox.service import freezeStartupHeap
 
     devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
     globalLogBeginner.beginLoggingTo([textFileLogObserver(devnull)], redirectStandardIO=False)
@@ -212,6 +213,8 @@ def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str, 
     audit = AuditLog(os.path.join(state, "audit.jsonl"), maxBytes=64 << 20)
     factory = EgressProxyFactory(config, reactor, audit=audit, spliceFast=fast)
     ProxyService(factory, dispatchSocket=dispatchSocket).startService()
+    # As the service's entry points do: start-up's objects out of the collector's walks.
+    reactor.callWhenRunning(freezeStartupHeap)  # type: ignore[attr-defined,unused-ignore]
     reactor.run()  # type: ignore[attr-defined,unused-ignore]
 
 

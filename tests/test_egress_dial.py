@@ -73,6 +73,8 @@ class DirectDialTests(TestCase):
         out = await exchange(h.port, connectHead(f"127.0.0.1:{port}"), halfClose=False)
         self.assertTrue(out.startswith(b"HTTP/1.1 502 "), out)
         self.assertIn(f"could not connect to 127.0.0.1:{port} (127.0.0.1: ".encode(), out)
+        # The socket's own error (the reset reached epoll as an error, not a writable socket).
+        self.assertIn(b"Connection refused", out)
         [rec] = [r for r in h.records() if r["event"] == "failed"]
         self.assertEqual((rec["host"], rec["port"]), ("127.0.0.1", port))
         self.assertEqual(h.factory.reserved, 0)

@@ -312,3 +312,26 @@ def test_aBusyPortStopsTheServiceAndSaysWhy(site: Site) -> None:
             output = service.output()
             assert f"cannot listen on tcp:{busy}:interface=127.0.0.1" in output, output
             assert f"proxy.listen in {config}" in output, output
+
+
+def test_freezeStartupHeapCollectsFirstThenFreezes() -> None:
+    """What the entry points call once the reactor runs (issue 25: no full
+    collection walks start-up's objects again), without keeping garbage for good."""
+    import gc
+    import weakref
+
+    from agentsandbox.service import freezeStartupHeap
+
+    class Node:
+        me: object = None
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    try:
+        freezeStartupHeap()
+        assert gone() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # this test process keeps collecting as before

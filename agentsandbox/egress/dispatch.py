@@ -985,6 +985,8 @@ def inheritedSockets(environ: dict[str, str] | None = None) -> tuple[list[socket
         if sock.family == socket.AF_UNIX:
             unix.append(sock)
         elif sock.family in (socket.AF_INET, socket.AF_INET6):
+            # As bindTCP does, whatever the socket unit says (NoDelay=).
+            _noDelay(sock)
             tcp.append(sock)
         else:
             log.warn("an inherited descriptor {fd} of family {family} is not used", fd=fd, family=sock.family)
@@ -992,6 +994,16 @@ def inheritedSockets(environ: dict[str, str] | None = None) -> tuple[list[socket
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)
     return tcp, unix
+
+
+def _noDelay(listener: socket.socket) -> None:
+    """``TCP_NODELAY`` on a listening socket: every connection accepted from it
+    inherits it (Linux), so the socket handed over already has it; the user's
+    proxy sets it again on what it adopts (``egress/nodelay.py`` says why)."""
+    try:
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
 
 
 class DispatchStartError(Exception):
@@ -1009,6 +1021,7 @@ def bindTCP(port: int) -> list[socket.socket]:
             continue
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _noDelay(sock)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind((host, port))

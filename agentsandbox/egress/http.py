@@ -58,7 +58,9 @@ from agentsandbox.egress.http11 import (
     oneHost,
     takeResponseHead,
 )
+from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
+from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Grant
@@ -244,7 +246,7 @@ class HTTPHandler:
         self.door.openTunnel("connect", host, port, self._granted, self._refused)
 
     def _granted(self) -> None:
-        self.door.transport.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        writeNow(self.door.transport, b"HTTP/1.1 200 Connection established\r\n\r\n")
 
     def _refused(self, refusal: Refusal) -> None:
         self.fail(refusal.status, refusal.reason)
@@ -349,7 +351,7 @@ class ForwardExchange:
         if upstream is None:
             self.queued.append(data)
         else:
-            upstream.transport.write(data)
+            writeNow(upstream.transport, data)
 
     def _granted(self, grant: Grant) -> Deferred[Any]:
         self.grant = grant
@@ -390,7 +392,7 @@ class ForwardExchange:
         # (No upgrade is asked for on this path: a 101 is refused.)
         self.responses.expect(self.method)
         queued, self.queued = self.queued, []
-        upstream.transport.write(b"".join(queued))
+        writeNow(upstream.transport, b"".join(queued))
         client = self.door.transport
         client.registerProducer(upstream.transport, True)
         upstream.transport.registerProducer(client, True)
@@ -403,7 +405,7 @@ class ForwardExchange:
             return
         parts = self.responses.feed(data)
         if len(parts) == 1 and parts[0].__class__ is bytes:
-            self.door.transport.write(parts[0])  # a read of body (often ``data`` itself)
+            writeNow(self.door.transport, parts[0])  # a read of body (often ``data`` itself)
             return
         out: list[bytes] = []
         ended = False
@@ -420,7 +422,7 @@ class ForwardExchange:
             elif isinstance(part, Refused):
                 why = part.why
         if out:
-            self.door.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            writeNow(self.door.transport, out[0] if len(out) == 1 else b"".join(out))
         if why is not None:
             self.upstreamFailed(f"{self.host} sent an invalid response: {why}")
         elif ended:
@@ -531,6 +533,7 @@ class ForwardUpstream(Protocol):
         self.exchange = exchange
 
     def connectionMade(self) -> None:
+        noDelay(self.transport)
         self.exchange.upstreamReady(self)
 
     def dataReceived(self, data: bytes) -> None:
@@ -554,7 +557,8 @@ class ParentHandshake(Protocol):
         self.switched = False
 
     def connectionMade(self) -> None:
-        self.transport.write(b"CONNECT %b HTTP/1.1\r\nhost: %b\r\n\r\n" % (self.authority, self.authority))
+        noDelay(self.transport)
+        writeNow(self.transport, b"CONNECT %b HTTP/1.1\r\nhost: %b\r\n\r\n" % (self.authority, self.authority))
 
     def failed(self, f: Failure) -> None:
         if not self.ready.called:

@@ -57,6 +57,7 @@ from agentsandbox.egress.interfaces import (
     IResolver,
     ITerminator,
 )
+from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.peer import SameUserPeers
 from agentsandbox.egress.resolve import (
     HostDecision,
@@ -167,6 +168,8 @@ class FrontDoor(Protocol):
             self.gone = True
             self.transport.abortConnection()
             return
+        # However the socket came (bound port, socket activation, the dispatcher).
+        noDelay(self.transport)
         self.armHeaderTimer()
 
     def armHeaderTimer(self) -> None:

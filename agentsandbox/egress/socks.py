@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from twisted.python.failure import Failure
 
+from agentsandbox.egress.writenow import writeNow
+
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Refusal
     from agentsandbox.egress.proxy import FrontDoor
@@ -89,10 +91,10 @@ class SocksHandler:
             return False
         methods, self.buffer = b[2 : 2 + n], b[2 + n :]
         if NO_AUTH in methods:
-            self.door.transport.write(bytes([VERSION, NO_AUTH]))
+            writeNow(self.door.transport, bytes([VERSION, NO_AUTH]))
             self.state = "request"
         elif USER_PASS in methods:
-            self.door.transport.write(bytes([VERSION, USER_PASS]))
+            writeNow(self.door.transport, bytes([VERSION, USER_PASS]))
             self.state = "auth"
         else:
             self._bad(
@@ -118,7 +120,7 @@ class SocksHandler:
             return False
         # The credentials are placeholders the sandbox's bridge sends: read, dropped, never logged.
         self.buffer = b[end:]
-        self.door.transport.write(bytes([1, 0]))
+        writeNow(self.door.transport, bytes([1, 0]))
         self.state = "request"
         return True
 
@@ -175,7 +177,7 @@ class SocksHandler:
 
     def _granted(self) -> None:
         self.state = "tunnel"
-        self.door.transport.write(reply(SUCCEEDED))
+        writeNow(self.door.transport, reply(SUCCEEDED))
 
     def _refused(self, refusal: Refusal) -> None:
         self.state = "closed"

@@ -8,7 +8,8 @@ the tunnel ends when both directions have ended, or at once when either side
 fails.  An upstream reset is passed to the client as a reset (abort), so a
 truncated transfer never looks complete.
 
-The per-chunk Python work is a length count for the audit and one ``write``.
+The per-chunk Python work is a length count for the audit and one write,
+sent at once when nothing is queued before it (``writenow.py``).
 
 Once a plain tunnel is established, ``ZeroCopy`` may take both sockets out of
 Twisted's copy loop and move bytes with ``splice(2)`` through a pipe per
@@ -37,6 +38,9 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.egress.nodelay import noDelay
+from agentsandbox.egress.writenow import writeNow
+
 #: Called once when a tunnel ends: (tunnel, why) where why is None for a clean end.
 OnClose = Callable[["Tunnel", "str | None"], None]
 
@@ -57,6 +61,9 @@ class UpstreamProtocol(Protocol):
         self._earlyLost: Failure | None = None
 
     def connectionMade(self) -> None:
+        # Every dial's socket, whichever dialler made it (through a parent
+        # proxy, ParentHandshake has set it already; a second call is harmless).
+        noDelay(self.transport)
         connected, self.onConnected = self.onConnected, None
         if connected is not None:
             connected(self)
@@ -142,7 +149,7 @@ class Tunnel:
     # client -> upstream
     def fromClient(self, data: bytes) -> None:
         self.up += len(data)
-        self.upstream.write(data)
+        writeNow(self.upstream, data)
         if self._volume is not None and self.up + self.down >= self._volume[0]:
             self._volumeReached()
 
@@ -169,7 +176,7 @@ class Tunnel:
     # upstream -> client
     def fromUpstream(self, data: bytes) -> None:
         self.down += len(data)
-        self.client.write(data)
+        writeNow(self.client, data)
         if self._volume is not None and self.up + self.down >= self._volume[0]:
             self._volumeReached()
 

@@ -60,6 +60,8 @@ from twisted.python.failure import Failure
 from zope.interface import directlyProvides, implementer, providedBy
 
 from agentsandbox.egress.interfaces import ICountedTunnel
+from agentsandbox.egress.nodelay import noDelay
+from agentsandbox.egress.writenow import writeNow
 
 #: Plaintext taken from OpenSSL per read: a TLS record holds at most 16 KiB,
 #: so one read usually empties one record.
@@ -93,23 +95,7 @@ class WriteThrough:
         return getattr(self._transport, name)
 
     def write(self, data: bytes) -> None:
-        t = self._transport
-        if (
-            t._tempDataBuffer
-            or len(t.dataBuffer) > t.offset
-            or not t.connected
-            or t.disconnecting
-            or getattr(t, "_writeDisconnected", False)
-        ):
-            t.write(data)
-            return
-        sent = t.writeSomeData(data)
-        if not isinstance(sent, int):
-            # The connection is gone; the transport's own write finds out and
-            # reports it through connectionLost as usual.
-            t.write(data)
-        elif sent < len(data):
-            t.write(data[sent:])
+        writeNow(self._transport, data)
 
     def writeSequence(self, data: Any) -> None:
         self.write(b"".join(data))
@@ -167,12 +153,7 @@ class TLSStream(Protocol):
     def makeConnection(self, transport: Any) -> None:
         # Every write is a whole record meant to go now: Nagle would only hold
         # a response back behind the peer's delayed ACK.
-        setNoDelay = getattr(transport, "setTcpNoDelay", None)
-        if setNoDelay is not None:
-            try:
-                setNoDelay(True)
-            except OSError:
-                pass
+        noDelay(transport)
         self._tls = self._context.wrap_bio(
             self._incoming,
             self._outgoing,
