@@ -78,7 +78,7 @@ def test_the_picture_names_only_files_and_keys_the_code_has() -> None:
     for name in files:
         assert (REPO / name).is_file(), name
     for table, fields in (("sandbox", SandboxConfig.__dataclass_fields__), ("proxy", ProxyConfig.__dataclass_fields__)):
-        keys = set(re.findall(rf"(?<![\w-]){table}\.(\w+)", source))
+        keys = set(re.findall(rf"(?<![\w/-]){table}\.(\w+)", source))
         assert keys and keys <= set(fields), (table, keys - set(fields))
 
 
