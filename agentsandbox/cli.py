@@ -14,6 +14,7 @@ config cannot be used.  Both import what they need when called.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from agentsandbox import __version__
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 #: usage error, as argparse gives): nothing was done, and the message names the
 #: file and the key.  ``doctor`` gives it too, after reporting every check.
 EXIT_CONFIG = 2
+#: Set by Claude Code (2.1.197 and 2.1.335) in the environment of its managed settings'
+#: policyHelper, which it runs with no arguments.
+POLICY_HELPER_ENV = "CLAUDE_CODE_VERSION"
 
 CONFIG_HELP = "config file (default: $AGENTSANDBOX_CONFIG, the user's, the system's, built-in)"
 EXIT_NOTE = f"Exit status {EXIT_CONFIG} when the arguments or the config cannot be used (nothing was done)."
@@ -112,6 +116,12 @@ def loadConfig(name: str, path: str | None, environ: Mapping[str, str] | None = 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if not args and POLICY_HELPER_ENV in os.environ:
+        # Claude Code runs its managed settings' policyHelper with no arguments
+        # (the drop-in names this command): hook.policyHelper says why.
+        from agentsandbox.hook import policyHelperMain
+
+        return policyHelperMain()
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if args else 2

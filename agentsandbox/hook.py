@@ -1018,6 +1018,102 @@ def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
     ]
 
 
+# --------------------------------------------------------------------------- before the session
+
+
+def listedAtStart(policy: Policy, cwd: str) -> str | None:
+    """Why Claude Code must not start a session in ``cwd``: a listed definition leads to a closed file.
+
+    When a session starts, before any hook runs, Claude Code reads every
+    skill, command and agent file of the user's ``.claude`` and of the cwd's
+    and each parent's ``.claude``, following links, and sends a line of each
+    (a file without front matter: its first line) to the model in the skill
+    listing.  A file there that leads, through a link, out of the ``.claude``
+    directory it was found in (the user's: wherever that directory itself
+    resolves to; a project's: ``.claude`` in the physical directory holding
+    it) to a file sessions may not read is that file's line on its way to the
+    model: a cloned repository carrying such a link, or one sandboxed Bash
+    planted in a parent's ``.claude`` for the next session.  A definition
+    that lies in its ``.claude`` is the checkout's or the user's own and is
+    not judged (the user started Claude Code there); nested ``.claude``
+    directories below the cwd are not listed at start (the file tools refuse
+    the directories that would make 2.1.197 list one).  Raises ``Refusal``
+    when there are too many entries to check.
+    """
+    from agentsandbox.policy import under
+
+    bases = {policy.harness: policy._resolve(policy.harness, "/")}
+    here = cwd
+    while True:
+        bases.setdefault(os.path.join(here, ".claude"), os.path.join(policy._resolve(here, "/"), ".claude"))
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    budget = [_SKILL_ENTRIES]
+    for base, inside in bases.items():
+        for candidate in _definitionFiles(base, budget):
+            real = policy._resolve(candidate, cwd)
+            if under(real, inside) or policy.whyReadable(candidate, cwd) is not None:
+                continue
+            return (
+                f"{candidate} leads to {real}, which sessions may not read, and Claude Code sends "
+                f"a line of every skill, command and agent file to the model when a session "
+                f"starts, before any hook can refuse it. Remove the link (or open its target "
+                f"in sandbox.read) and start the session again."
+            )
+    return None
+
+
+def sessionDir() -> str | None:
+    """The directory of the Claude Code process that started this one (its session's cwd).
+
+    Claude Code never changes its own working directory.  2.1.197 starts its
+    policy helper there; 2.1.335 starts it in ``/``: the parent's ``cwd``
+    link is what both agree on.
+    """
+    try:
+        return os.readlink(f"/proc/{os.getppid()}/cwd")
+    except OSError:
+        return None
+
+
+def policyHelper(environ: Mapping[str, str], cwd: str | None) -> tuple[int, str]:
+    """Claude Code's ``policyHelper``: (0, ``{}``) lets the session start, (1, why) refuses it.
+
+    The drop-in names ``agentsandbox`` (no arguments) as the managed settings'
+    policy helper, which Claude Code runs before a session starts (and before
+    any request), in ``-p`` and interactive mode alike, and which refuses the
+    session when it exits non-zero, printing what it wrote to stderr.  ``{}``
+    carries no managed settings, so the drop-in's own apply.  Fails closed:
+    a config that cannot be loaded, a session directory that cannot be told,
+    or any error refuses.
+    """
+    prefix = "agentsandbox refused to start this Claude Code session: "
+    try:
+        if cwd is None or not cwd.startswith("/"):
+            return 1, prefix + "the session's working directory cannot be told (/proc/PPID/cwd)."
+        try:
+            policy, _ = cachedPolicy(environ)
+        except PolicyUnavailable as e:
+            return 1, prefix + f"its config cannot be loaded, so what sessions may read is unknown: {e}"
+        why = listedAtStart(policy, cwd)
+    except Refusal as r:
+        return 1, prefix + f"{r}; start the session in a smaller directory."
+    except Exception as e:
+        return 1, prefix + f"the check failed ({type(e).__name__}: {e})."
+    return (0, "{}") if why is None else (1, prefix + why)
+
+
+def policyHelperMain() -> int:
+    code, text = policyHelper(os.environ, sessionDir())
+    try:
+        (sys.stdout if code == 0 else sys.stderr).write(text + "\n")
+    except Exception:
+        return 1
+    return code
+
+
 def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     if egressDir is None:
         return {}
