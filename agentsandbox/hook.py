@@ -1021,31 +1021,35 @@ def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
 # --------------------------------------------------------------------------- before the session
 
 
-def listedAtStart(policy: Policy, cwd: str) -> str | None:
+def listedAtStart(policy: Policy | None, cwd: str, harness: str) -> str | None:
     """Why Claude Code must not start a session in ``cwd``: a listed definition leads to a closed file.
 
     When a session starts, before any hook runs, Claude Code reads every
-    skill, command and agent file of the user's ``.claude`` and of the cwd's
-    and each parent's ``.claude``, following links, and sends a line of each
-    (a file without front matter: its first line) to the model in the skill
-    listing.  A file there that leads, through a link, out of the ``.claude``
-    directory it was found in (the user's: wherever that directory itself
-    resolves to; a project's: ``.claude`` in the physical directory holding
-    it) to a file sessions may not read is that file's line on its way to the
-    model: a cloned repository carrying such a link, or one sandboxed Bash
-    planted in a parent's ``.claude`` for the next session.  A definition
-    that lies in its ``.claude`` is the checkout's or the user's own and is
-    not judged (the user started Claude Code there); nested ``.claude``
-    directories below the cwd are not listed at start (the file tools refuse
-    the directories that would make 2.1.197 list one).  Raises ``Refusal``
-    when there are too many entries to check.
+    skill, command and agent file of the user's ``.claude`` (``harness``) and
+    of the cwd's and each parent's ``.claude``, following links, and sends a
+    line of each (a file without front matter: its first line) to the model
+    in the skill listing.  A file there that leads, through a link, out of the
+    ``.claude`` directory it was found in (the user's: wherever that
+    directory itself resolves to; a project's: ``.claude`` in the physical
+    directory holding it) to a file sessions may not read is that file's line
+    on its way to the model: a cloned repository carrying such a link, or one
+    sandboxed Bash planted in a writable parent's ``.claude`` for the next
+    session.  Without a ``policy`` (the config cannot be loaded) every such
+    link counts.  A definition that lies in its ``.claude`` is the
+    checkout's or the user's own and is not judged (the user started Claude
+    Code there); nested ``.claude`` directories below the cwd are not listed
+    at start (the file tools refuse the directories that would make 2.1.197
+    list one).  Raises ``Refusal`` when there are too many entries to check.
     """
     from agentsandbox.policy import under
 
-    bases = {policy.harness: policy._resolve(policy.harness, "/")}
+    def physical(path: str) -> str:
+        return os.path.realpath(path) if policy is None else policy._resolve(path, "/")
+
+    bases = {harness: physical(harness)}
     here = cwd
     while True:
-        bases.setdefault(os.path.join(here, ".claude"), os.path.join(policy._resolve(here, "/"), ".claude"))
+        bases.setdefault(os.path.join(here, ".claude"), os.path.join(physical(here), ".claude"))
         parent = os.path.dirname(here)
         if parent == here:
             break
@@ -1053,14 +1057,15 @@ def listedAtStart(policy: Policy, cwd: str) -> str | None:
     budget = [_SKILL_ENTRIES]
     for base, inside in bases.items():
         for candidate in _definitionFiles(base, budget):
-            real = policy._resolve(candidate, cwd)
-            if under(real, inside) or policy.whyReadable(candidate, cwd) is not None:
+            real = physical(candidate)
+            if under(real, inside) or (policy is not None and policy.whyReadable(candidate, cwd) is not None):
                 continue
+            closed = "which sessions may not read" if policy is not None else "outside its .claude"
             return (
-                f"{candidate} leads to {real}, which sessions may not read, and Claude Code sends "
-                f"a line of every skill, command and agent file to the model when a session "
-                f"starts, before any hook can refuse it. Remove the link (or open its target "
-                f"in sandbox.read) and start the session again."
+                f"{candidate} leads to {real}, {closed}, and Claude Code sends a line of every "
+                f"skill, command and agent file to the model when a session starts, before any "
+                f"hook can refuse it. Remove the link (or open its target in sandbox.read) and "
+                f"start the session again."
             )
     return None
 
@@ -1086,18 +1091,28 @@ def policyHelper(environ: Mapping[str, str], cwd: str | None) -> tuple[int, str]
     any request), in ``-p`` and interactive mode alike, and which refuses the
     session when it exits non-zero, printing what it wrote to stderr.  ``{}``
     carries no managed settings, so the drop-in's own apply.  Fails closed:
-    a config that cannot be loaded, a session directory that cannot be told,
-    or any error refuses.
+    a session directory that cannot be told, too many entries to check, or
+    any error refuses; with a config that cannot be loaded, any definition
+    that links out of its ``.claude`` refuses (the session otherwise starts
+    with every file tool refused, as before).
     """
     prefix = "agentsandbox refused to start this Claude Code session: "
     try:
         if cwd is None or not cwd.startswith("/"):
             return 1, prefix + "the session's working directory cannot be told (/proc/PPID/cwd)."
+        from agentsandbox.paths import Paths
+
+        policy: Policy | None
         try:
             policy, _ = cachedPolicy(environ)
-        except PolicyUnavailable as e:
-            return 1, prefix + f"its config cannot be loaded, so what sessions may read is unknown: {e}"
-        why = listedAtStart(policy, cwd)
+            harness = policy.harness
+        except PolicyUnavailable:
+            # The file tools refuse everything until the config is fixed (and
+            # SessionStart says why): the session may start unless a link counts.
+            policy, harness = None, Paths.fromEnvironment(environ).claudeDir
+        why = listedAtStart(policy, cwd, harness)
+        if why is not None and policy is None:
+            why += " (The config cannot be loaded, so every such link counts.)"
     except Refusal as r:
         return 1, prefix + f"{r}; start the session in a smaller directory."
     except Exception as e:
