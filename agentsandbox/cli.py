@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args and POLICY_HELPER_ENV in os.environ:
         # Claude Code runs its managed settings' policyHelper with no arguments
         # (the drop-in names this command): hook.policyHelper says why.
-        from agentsandbox.hook import policyHelperMain
-
-        return policyHelperMain()
+        helper: int = importlib.import_module("agentsandbox.hook").policyHelperMain()
+        return helper
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if args else 2

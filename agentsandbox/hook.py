@@ -668,11 +668,11 @@ def _nestedClaudeDirs(cwd: str, budget: list[int]) -> list[str]:
 _DEFINITIONS = ("skills", "commands", "agents")
 
 
-def _definitionFiles(base: str, budget: list[int]) -> list[str]:
+def _definitionFiles(base: str, budget: list[int], kinds: tuple[str, ...] = _DEFINITIONS) -> list[str]:
     """Every file below ``base``'s skills, commands and agents, links included (not followed)."""
     return [
         path
-        for kind in _DEFINITIONS
+        for kind in kinds
         for path, _, isDir in _walk(os.path.join(base, kind), budget, ())
         if not isDir
     ]
@@ -1021,52 +1021,124 @@ def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
 # --------------------------------------------------------------------------- before the session
 
 
-def listedAtStart(policy: Policy | None, cwd: str, harness: str) -> str | None:
-    """Why Claude Code must not start a session in ``cwd``: a listed definition leads to a closed file.
+#: What Claude Code reads into the first request from a ``.claude`` directory besides the
+#: definitions: its memory (``CLAUDE.md``) and rules (``rules/**/*.md``), whole.
+_MEMORY_KINDS = ("rules",)
+#: Memory files beside a ``.claude`` directory, read whole at start (the cwd's and each parent's).
+_MEMORY_FILES = ("CLAUDE.md", "CLAUDE.local.md")
+#: How deep Claude Code follows ``@path`` imports from a memory file.
+_IMPORT_DEPTH = 5
+_IMPORT_BYTES = 1024 * 1024
 
-    When a session starts, before any hook runs, Claude Code reads every
-    skill, command and agent file of the user's ``.claude`` (``harness``) and
-    of the cwd's and each parent's ``.claude``, following links, and sends a
-    line of each (a file without front matter: its first line) to the model
-    in the skill listing.  A file there that leads, through a link, out of the
-    ``.claude`` directory it was found in (the user's: wherever that
-    directory itself resolves to; a project's: ``.claude`` in the physical
-    directory holding it) to a file sessions may not read is that file's line
-    on its way to the model: a cloned repository carrying such a link, or one
-    sandboxed Bash planted in a writable parent's ``.claude`` for the next
-    session.  Without a ``policy`` (the config cannot be loaded) every such
-    link counts.  A definition that lies in its ``.claude`` is the
-    checkout's or the user's own and is not judged (the user started Claude
-    Code there); nested ``.claude`` directories below the cwd are not listed
-    at start (the file tools refuse the directories that would make 2.1.197
-    list one).  Raises ``Refusal`` when there are too many entries to check.
+
+def _imports(path: str, home: str) -> list[str]:
+    """The existing files a memory file names as ``@path`` imports (relative to it, ``~/``, absolute)."""
+    import re
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_IMPORT_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return []
+    found = []
+    for m in re.finditer(r"(?:^|\s)@((?:[^\s\\]|\\ )+)", text):
+        name = m.group(1).replace("\\ ", " ")
+        if name.startswith("~/"):
+            name = os.path.join(home, name[2:])
+        target = os.path.normpath(os.path.join(os.path.dirname(path), name))
+        if os.path.lexists(target):
+            found.append(target)
+    return found
+
+
+def listedAtStart(policy: Policy | None, cwd: str, harness: str, home: str | None = None) -> str | None:
+    """Why Claude Code must not start a session in ``cwd``: what it sends at start leads to a closed file.
+
+    When a session starts, before any hook runs, Claude Code reads, following
+    links, and sends to the model: a line of every skill, command and agent
+    file (a file without front matter: its first line, as the skill's
+    description), and whole every memory file (``CLAUDE.md``,
+    ``CLAUDE.local.md``, ``.claude/CLAUDE.md``, ``.claude/rules/**``) and
+    the files they import (``@path``; 2.1.197 through a link too), of the user's
+    ``.claude`` (``harness``) and of the cwd and each parent (measured on
+    2.1.197 and 2.1.335).  A file there that leads, through a link, out of
+    where it was found (a ``.claude``: wherever the user's resolves to, or
+    ``.claude`` in the physical directory holding a project's; a memory file
+    beside it: itself; an import: the path it names, read from the importing file's
+    directory) to a file
+    sessions may not read is that file on its way to the model: a cloned
+    repository carrying such a link, or one sandboxed Bash planted in a
+    writable parent's ``.claude`` for the next session.  The user's
+    ``.claude`` is judged only where a session may write (a dotfiles link
+    there is the user's own).  Without a
+    ``policy`` (the config cannot be loaded) every such link counts.  What
+    lies where it was found is the checkout's or the user's own and is not
+    judged (the user started Claude Code there); nested ``.claude``
+    directories below the cwd are not read at start (the file tools refuse the
+    directories that would make 2.1.197 list one).  Raises ``Refusal`` when
+    there are too many entries to check.
     """
     from agentsandbox.policy import under
+
+    home = home or (policy.home if policy is not None else os.path.dirname(harness))
 
     def physical(path: str) -> str:
         return os.path.realpath(path) if policy is None else policy._resolve(path, "/")
 
+    def closed(path: str) -> bool:
+        return policy is None or policy.whyReadable(path, cwd) is None
+
+    def own(path: str) -> bool:
+        """A link in the user's .claude where no session may write is the user's own (dotfiles)."""
+        return (policy is not None and under(path, harness)
+                and policy.whyWritable(os.path.dirname(path), cwd) is None)
+
     bases = {harness: physical(harness)}
+    memory: list[tuple[str, str]] = []
     here = cwd
     while True:
-        bases.setdefault(os.path.join(here, ".claude"), os.path.join(physical(here), ".claude"))
+        real = physical(here)
+        bases.setdefault(os.path.join(here, ".claude"), os.path.join(real, ".claude"))
+        memory += [(os.path.join(here, name), os.path.join(real, name)) for name in _MEMORY_FILES]
         parent = os.path.dirname(here)
         if parent == here:
             break
         here = parent
     budget = [_SKILL_ENTRIES]
+    found: list[tuple[str, str, bool]] = []
     for base, inside in bases.items():
-        for candidate in _definitionFiles(base, budget):
-            real = physical(candidate)
-            if under(real, inside) or (policy is not None and policy.whyReadable(candidate, cwd) is not None):
+        found += [(f, inside, False) for f in _definitionFiles(base, budget)]
+        found += [(f, inside, True) for f in _definitionFiles(base, budget, _MEMORY_KINDS)]
+        found.append((os.path.join(base, "CLAUDE.md"), inside, True))
+    found += [(f, where, True) for f, where in memory]
+    seen: set[str] = set()
+    depth = 0
+    while found:
+        imported: list[tuple[str, str, bool]] = []
+        for candidate, where, whole in found:
+            if candidate in seen or not os.path.lexists(candidate):
                 continue
-            closed = "which sessions may not read" if policy is not None else "outside its .claude"
-            return (
-                f"{candidate} leads to {real}, {closed}, and Claude Code sends a line of every "
-                f"skill, command and agent file to the model when a session starts, before any "
-                f"hook can refuse it. Remove the link (or open its target in sandbox.read) and "
-                f"start the session again."
-            )
+            seen.add(candidate)
+            real = physical(candidate)
+            if own(candidate):
+                continue
+            if not under(real, where) and closed(candidate):
+                what = "whole" if whole else "a line of it (a skill, command or agent's description)"
+                return (
+                    f"{candidate} leads to {real}, "
+                    f"{'which sessions may not read' if policy is not None else 'a link out of where it lies'}, "
+                    f"and Claude Code sends {what} to the model when a session starts, before any hook "
+                    f"can refuse it. Remove the link (or open its target in sandbox.read) and start "
+                    f"the session again."
+                )
+            if whole and depth < _IMPORT_DEPTH:
+                # An import lies where its name says, read from the importing file's own directory.
+                at = os.path.dirname(candidate)
+                for target in _imports(candidate, home):
+                    imported.append((target, os.path.normpath(os.path.join(physical(at), os.path.relpath(target, at))),
+                                     True))
+        found = imported
+        depth += 1
     return None
 
 
@@ -1110,7 +1182,7 @@ def policyHelper(environ: Mapping[str, str], cwd: str | None) -> tuple[int, str]
             # The file tools refuse everything until the config is fixed (and
             # SessionStart says why): the session may start unless a link counts.
             policy, harness = None, Paths.fromEnvironment(environ).claudeDir
-        why = listedAtStart(policy, cwd, harness)
+        why = listedAtStart(policy, cwd, harness, environ.get("HOME"))
         if why is not None and policy is None:
             why += " (The config cannot be loaded, so every such link counts.)"
     except Refusal as r:

@@ -286,7 +286,8 @@ def test_policy_helper_refuses_a_session_whose_listing_would_carry_a_closed_file
     assert helper(home) == (0, "{}")
     for at in (project / ".claude/skills/notes/SKILL.md", project / ".claude/commands/deep/notes.md",
                project / ".claude/agents/a.md", home.home / "projects/.claude/skills/up/SKILL.md",
-               home.home / ".claude/skills/mine/SKILL.md"):
+               project / "CLAUDE.md", project / "CLAUDE.local.md", project / ".claude/CLAUDE.md",
+               project / ".claude/rules/deep/r.md", home.home / "projects/CLAUDE.md"):
         at.parent.mkdir(parents=True, exist_ok=True)
         at.symlink_to(notes)
         code, text = helper(home)
@@ -296,6 +297,35 @@ def test_policy_helper_refuses_a_session_whose_listing_would_carry_a_closed_file
         assert helper(home, home.h("projects/repo/src"))[0] == 1
         at.unlink()
     assert helper(home) == (0, "{}")
+
+
+def test_policy_helper_follows_memory_imports(home: User) -> None:
+    """CLAUDE.md's ``@path`` imports are read whole at start; 2.1.197 follows a link there."""
+    project = home.home / "projects/repo"
+    (project / "docs").mkdir()
+    (project / "docs/n.md").symlink_to(home.home / "Documents/notes.txt")
+    (project / "shelf").symlink_to(home.home / "Documents")
+    _write(project / "docs/plain.md", "see @n.md\n")
+    for text in ("See @docs/n.md", "See @shelf/notes.txt", "See @docs/plain.md", "a\n@./docs/n.md\n"):
+        (project / "CLAUDE.md").write_text(text + "\n")
+        code, said = helper(home)
+        assert code == 1 and str(home.home / "Documents/notes.txt") in said and "whole" in said, (text, said)
+    # Claude Code does not import a file outside the project unless the user approved it there.
+    for text in ("See @~/Documents/notes.txt", "mail me@example.org", "@docs/missing.md", "email@docs/n.md"):
+        (project / "CLAUDE.md").write_text(text + "\n")
+        assert helper(home) == (0, "{}"), text
+
+
+def test_policy_helper_trusts_the_users_own_claude_directory_unless_sessions_write_it(home: User) -> None:
+    mine = home.home / ".claude/skills/mine/SKILL.md"
+    mine.parent.mkdir(parents=True)
+    mine.symlink_to(home.home / "Documents/notes.txt")
+    _write(home.home / "dotfiles/rules/r.md", "my rules\n")
+    (home.home / ".claude/rules").symlink_to(home.home / "dotfiles/rules")
+    assert helper(home) == (0, "{}")
+    home.writeConfig('[sandbox]\nwrite = ["~/projects/repo", "~/.claude"]\n')
+    code, said = helper(home)
+    assert code == 1 and home.h("Documents/notes.txt") in said, said
 
 
 def test_policy_helper_follows_links_of_directories(home: User) -> None:
@@ -348,7 +378,7 @@ def test_policy_helper_fails_closed(home: User, monkeypatch: pytest.MonkeyPatch)
     (project / ".claude/skills/x").mkdir(parents=True)
     (project / ".claude/skills/x/SKILL.md").symlink_to(home.home / "projects/other/readable.md")
     code, text = helper(home)
-    assert code == 1 and "outside its .claude" in text and "config cannot be loaded" in text, text
+    assert code == 1 and "a link out of where it lies" in text and "config cannot be loaded" in text, text
     home.writeConfig('[sandbox]\nread = ["~/projects/other"]\nwrite = ["~/projects/repo"]\n')
     assert helper(home) == (0, "{}")
     monkeypatch.setattr(hook, "_SKILL_ENTRIES", 0)
