@@ -492,6 +492,37 @@ def test_skill_listing_at_session_start_never_carries_a_closed_file(claude: Clau
 
 
 @pytest.mark.claude
+def test_memory_at_session_start_never_carries_a_closed_file(claude: ClaudeBinary, world: World,
+                                                             api: MockMessagesAPI,
+                                                             managed: dict[str, Any]) -> None:
+    """A repository whose ``CLAUDE.md`` (or a rule, or a file it imports) links to the notes.
+
+    Claude Code sends memory files whole in the first request.  Measured
+    without the policyHelper: ``CLAUDE.md``, ``CLAUDE.local.md`` and
+    ``.claude/CLAUDE.md`` linked to the notes sent them on both releases, a
+    linked ``.claude/rules/r.md`` and an ``@docs/n.md`` import of a linked
+    file on 2.1.197.  Both releases: each of these sessions is refused before
+    any request, naming the link.  Control: a plain ``CLAUDE.md`` importing a
+    plain file reaches the model.
+    """
+    project = _project(world, claude, "memory")
+    notes = world.documents / "notes.txt"
+    cases = [project / "CLAUDE.md", project / ".claude" / "CLAUDE.md", project / ".claude" / "rules" / "r.md"]
+    for at in cases:
+        _link(at, notes, relative=True)
+        refusedAtStart(claude, world, api, project, str(at), str(notes))
+        at.unlink()
+    (project / "CLAUDE.md").write_text("# the project\nSee @docs/n.md\n")
+    _link(project / "docs" / "n.md", notes, relative=True)
+    refusedAtStart(claude, world, api, project, str(project / "docs" / "n.md"), str(notes))
+    (project / "docs" / "n.md").unlink()
+    (project / "docs" / "n.md").write_text("agentsandbox e2e imported memory: mem-5e2a\n")
+    run = play(claude, world, api, [ToolCall("Bash", {"command": "true"})], cwd=project)
+    assert run.requestsHolding("mem-5e2a")[:1] == [0], f"the imported memory is not sent\n{run.describe()}"
+    assertNoLeak(run, world)
+
+
+@pytest.mark.claude
 def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBinary, world: World,
                                                               api: MockMessagesAPI, managed: dict[str, Any],
                                                               request: pytest.FixtureRequest) -> None:
