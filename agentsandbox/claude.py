@@ -93,8 +93,8 @@ def render(policy: Policy) -> dict[str, Any]:
             ],
             "SessionStart": [{"hooks": [_hook(exe, "sessionstart")]}],
         },
-        # Run (no arguments) before each session: refuses one whose skill listing would
-        # carry a line of a closed file (hook.policyHelper, docs/hook.md).
+        # Run (no arguments) before each session: refuses one whose skill listing or
+        # memory would carry a closed file (hook.policyHelper, docs/hook.md).
         "policyHelper": {"path": exe},
         "permissions": {
             "allow": _webFetchRules(policy.domains),

@@ -1056,27 +1056,27 @@ def listedAtStart(policy: Policy | None, cwd: str, harness: str, home: str | Non
 
     When a session starts, before any hook runs, Claude Code reads, following
     links, and sends to the model: a line of every skill, command and agent
-    file (a file without front matter: its first line, as the skill's
+    file (of a file without front matter, its first line, as the
     description), and whole every memory file (``CLAUDE.md``,
-    ``CLAUDE.local.md``, ``.claude/CLAUDE.md``, ``.claude/rules/**``) and
-    the files they import (``@path``; 2.1.197 through a link too), of the user's
-    ``.claude`` (``harness``) and of the cwd and each parent (measured on
-    2.1.197 and 2.1.335).  A file there that leads, through a link, out of
-    where it was found (a ``.claude``: wherever the user's resolves to, or
-    ``.claude`` in the physical directory holding a project's; a memory file
-    beside it: itself; an import: the path it names, read from the importing file's
-    directory) to a file
-    sessions may not read is that file on its way to the model: a cloned
+    ``CLAUDE.local.md``, ``.claude/CLAUDE.md``, ``.claude/rules/**``) and the
+    files they import (``@path``), of the user's ``.claude`` (``harness``) and
+    of the cwd and each parent (measured on 2.1.197 and 2.1.335).
+
+    A file there that leads, through a link, out of where it was found to a
+    file sessions may not read is that file on its way to the model: a cloned
     repository carrying such a link, or one sandboxed Bash planted in a
-    writable parent's ``.claude`` for the next session.  The user's
-    ``.claude`` is judged only where a session may write (a dotfiles link
-    there is the user's own).  Without a
-    ``policy`` (the config cannot be loaded) every such link counts.  What
-    lies where it was found is the checkout's or the user's own and is not
-    judged (the user started Claude Code there); nested ``.claude``
-    directories below the cwd are not read at start (the file tools refuse the
-    directories that would make 2.1.197 list one).  Raises ``Refusal`` when
-    there are too many entries to check.
+    writable parent's ``.claude`` for the next session.  Where it was found:
+    for a ``.claude``'s files, that ``.claude`` (the user's wherever it
+    resolves to; a project's in the physical directory holding it); for a
+    memory file beside a ``.claude``, itself; for an import, the path it
+    names, read from the importing file's own directory.  What lies where it
+    was found is the checkout's or the user's own and is not judged (the user
+    started Claude Code there), and the user's ``.claude`` is judged only
+    where a session may write (a dotfiles link there is the user's own).
+    Without a ``policy`` (the config cannot be loaded) every such link
+    counts.  Nested ``.claude`` directories below the cwd are not read at
+    start (the file tools refuse the directories that would make 2.1.197 list
+    one).  Raises ``Refusal`` when there are too many entries to check.
     """
     from agentsandbox.policy import under
 
