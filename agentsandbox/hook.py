@@ -668,11 +668,11 @@ def _nestedClaudeDirs(cwd: str, budget: list[int]) -> list[str]:
 _DEFINITIONS = ("skills", "commands", "agents")
 
 
-def _definitionFiles(base: str, budget: list[int]) -> list[str]:
+def _definitionFiles(base: str, budget: list[int], kinds: tuple[str, ...] = _DEFINITIONS) -> list[str]:
     """Every file below ``base``'s skills, commands and agents, links included (not followed)."""
     return [
         path
-        for kind in _DEFINITIONS
+        for kind in kinds
         for path, _, isDir in _walk(os.path.join(base, kind), budget, ())
         if not isDir
     ]
@@ -1025,6 +1025,179 @@ def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
         "agentsandbox: WARNING: a skill, command or agent file of this session leads to a closed "
         f"file, and Claude Code sends a line of it to the model when it lists skills: {closed}"
     ]
+
+
+# --------------------------------------------------------------------------- before the session
+
+
+#: What Claude Code reads into the first request from a ``.claude`` directory besides the
+#: definitions: its memory (``CLAUDE.md``) and rules (``rules/**/*.md``), whole.
+_MEMORY_KINDS = ("rules",)
+#: Memory files beside a ``.claude`` directory, read whole at start (the cwd's and each parent's).
+_MEMORY_FILES = ("CLAUDE.md", "CLAUDE.local.md")
+#: How deep Claude Code follows ``@path`` imports from a memory file.
+_IMPORT_DEPTH = 5
+_IMPORT_BYTES = 1024 * 1024
+
+
+def _imports(path: str, home: str) -> list[str]:
+    """The existing files a memory file names as ``@path`` imports (relative to it, ``~/``, absolute)."""
+    import re
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read(_IMPORT_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return []
+    found = []
+    for m in re.finditer(r"(?:^|\s)@((?:[^\s\\]|\\ )+)", text):
+        name = m.group(1).replace("\\ ", " ")
+        if name.startswith("~/"):
+            name = os.path.join(home, name[2:])
+        target = os.path.normpath(os.path.join(os.path.dirname(path), name))
+        if os.path.lexists(target):
+            found.append(target)
+    return found
+
+
+def listedAtStart(policy: Policy | None, cwd: str, harness: str, home: str | None = None) -> str | None:
+    """Why Claude Code must not start a session in ``cwd``: what it sends at start leads to a closed file.
+
+    When a session starts, before any hook runs, Claude Code reads, following
+    links, and sends to the model: a line of every skill, command and agent
+    file (of a file without front matter, its first line, as the
+    description), and whole every memory file (``CLAUDE.md``,
+    ``CLAUDE.local.md``, ``.claude/CLAUDE.md``, ``.claude/rules/**``) and the
+    files they import (``@path``), of the user's ``.claude`` (``harness``) and
+    of the cwd and each parent (measured on 2.1.197 and 2.1.335).
+
+    A file there that leads, through a link, out of where it was found to a
+    file sessions may not read is that file on its way to the model: a cloned
+    repository carrying such a link, or one sandboxed Bash planted in a
+    writable parent's ``.claude`` for the next session.  Where it was found:
+    for a ``.claude``'s files, that ``.claude`` (the user's wherever it
+    resolves to; a project's in the physical directory holding it); for a
+    memory file beside a ``.claude``, itself; for an import, the path it
+    names, read from the importing file's own directory.  What lies where it
+    was found is the checkout's or the user's own and is not judged (the user
+    started Claude Code there), and the user's ``.claude`` is judged only
+    where a session may write (a dotfiles link there is the user's own).
+    Without a ``policy`` (the config cannot be loaded) every such link
+    counts.  Nested ``.claude`` directories below the cwd are not read at
+    start (the file tools refuse the directories that would make 2.1.197 list
+    one).  Raises ``Refusal`` when there are too many entries to check.
+    """
+    from agentsandbox.policy import under
+
+    home = home or (policy.home if policy is not None else os.path.dirname(harness))
+
+    def physical(path: str) -> str:
+        return os.path.realpath(path) if policy is None else policy._resolve(path, "/")
+
+    def closed(path: str) -> bool:
+        return policy is None or policy.whyReadable(path, cwd) is None
+
+    def own(path: str) -> bool:
+        """A link in the user's .claude where no session may write is the user's own (dotfiles)."""
+        return (policy is not None and under(path, harness)
+                and policy.whyWritable(os.path.dirname(path), cwd) is None)
+
+    bases = {harness: physical(harness)}
+    memory: list[tuple[str, str]] = []
+    here = cwd
+    while True:
+        real = physical(here)
+        bases.setdefault(os.path.join(here, ".claude"), os.path.join(real, ".claude"))
+        memory += [(os.path.join(here, name), os.path.join(real, name)) for name in _MEMORY_FILES]
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    budget = [_SKILL_ENTRIES]
+    found: list[tuple[str, str, bool]] = []
+    for base, inside in bases.items():
+        found += [(f, inside, False) for f in _definitionFiles(base, budget)]
+        found += [(f, inside, True) for f in _definitionFiles(base, budget, _MEMORY_KINDS)]
+        found.append((os.path.join(base, "CLAUDE.md"), inside, True))
+    found += [(f, where, True) for f, where in memory]
+    seen: set[str] = set()
+    depth = 0
+    while found:
+        imported: list[tuple[str, str, bool]] = []
+        for candidate, where, whole in found:
+            if candidate in seen or not os.path.lexists(candidate):
+                continue
+            seen.add(candidate)
+            real = physical(candidate)
+            if own(candidate):
+                continue
+            if not under(real, where) and closed(candidate):
+                what = "whole" if whole else "a line of it (a skill, command or agent's description)"
+                return (
+                    f"{candidate} leads to {real}, "
+                    f"{'which sessions may not read' if policy is not None else 'a link out of where it lies'}, "
+                    f"and Claude Code sends {what} to the model when a session starts, before any hook "
+                    f"can refuse it. Remove the link (or open its target in sandbox.read) and start "
+                    f"the session again."
+                )
+            if whole and depth < _IMPORT_DEPTH:
+                # An import lies where its name says, read from the importing file's own directory.
+                at = os.path.dirname(candidate)
+                for target in _imports(candidate, home):
+                    imported.append((target, os.path.normpath(os.path.join(physical(at), os.path.relpath(target, at))),
+                                     True))
+        found = imported
+        depth += 1
+    return None
+
+
+def sessionDir() -> str | None:
+    """The directory of the Claude Code process that started this one (its session's cwd).
+
+    Claude Code never changes its own working directory.  2.1.197 starts its
+    policy helper there; 2.1.335 starts it in ``/``: the parent's ``cwd``
+    link is what both agree on.
+    """
+    try:
+        return os.readlink(f"/proc/{os.getppid()}/cwd")
+    except OSError:
+        return None
+
+
+def policyHelper(environ: Mapping[str, str], cwd: str | None) -> tuple[int, str]:
+    """The policy helper's first check: (0, ``{}``) lets the session start, (1, why) refuses it.
+
+    ``policyhelper.main`` asks it before it prints the session's settings:
+    Claude Code runs the helper before a session starts (and before any
+    request), in ``-p`` and interactive mode alike, and refuses the session
+    when it exits non-zero, printing what it wrote to stderr.  Fails closed:
+    a session directory that cannot be told, too many entries to check, or
+    any error refuses; with a config that cannot be loaded, any definition
+    that links out of its ``.claude`` refuses, naming it (the config's own
+    error then stops the session in ``policyhelper.main``).
+    """
+    prefix = "agentsandbox refused to start this Claude Code session: "
+    try:
+        if cwd is None or not cwd.startswith("/"):
+            return 1, prefix + "the session's working directory cannot be told (/proc/PPID/cwd)."
+        from agentsandbox.paths import Paths
+
+        policy: Policy | None
+        try:
+            policy, _ = cachedPolicy(environ)
+            harness = policy.harness
+        except PolicyUnavailable:
+            # The file tools refuse everything until the config is fixed (and
+            # SessionStart says why): the session may start unless a link counts.
+            policy, harness = None, Paths.fromEnvironment(environ).claudeDir
+        why = listedAtStart(policy, cwd, harness, environ.get("HOME"))
+        if why is not None and policy is None:
+            why += " (The config cannot be loaded, so every such link counts.)"
+    except Refusal as r:
+        return 1, prefix + f"{r}; start the session in a smaller directory."
+    except Exception as e:
+        return 1, prefix + f"the check failed ({type(e).__name__}: {e})."
+    return (0, "{}") if why is None else (1, prefix + why)
 
 
 def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:

@@ -123,7 +123,14 @@ def installationExe(argv0: str) -> str | None:
 def main() -> int:
     """Print ``{"managedSettings": …}``; on any failure say why and exit 1, so Claude Code does not start."""
     from agentsandbox.config import ConfigError
+    from agentsandbox.hook import policyHelper, sessionDir
 
+    # First: a session whose skill listing or memory (CLAUDE.md, rules, imports)
+    # would carry a closed file does not start (hook.policyHelper, docs/hook.md).
+    code, why = policyHelper(os.environ, sessionDir())
+    if code != 0:
+        sys.stderr.write(why + "\n")
+        return 1
     try:
         settings, notes = sessionSettings(os.environ, exe=installationExe(sys.argv[0] if sys.argv else ""))
     except ConfigError as e:

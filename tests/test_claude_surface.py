@@ -10,8 +10,10 @@ world's other markers, not only the final answer.
 What each test shows, per release, is in its docstring; the controls (a
 worktree inside the project, a skill under the project, Monitor, a subagent,
 a listed WebFetch) show the holds did not take the tools away.  Where Claude
-Code reaches a closed file outside any tool call (the skill listing), the
-assertion stays and is marked xfail with what would stop it.
+Code reaches a closed file outside any tool call (the skill listing, at
+session start), the drop-in's policyHelper refuses the session before any
+request; what the drop-in cannot hold (Bash planting a nested skill link)
+stays asserted and is marked xfail with what was tried.
 """
 
 from __future__ import annotations
@@ -333,24 +335,24 @@ class NestedSkillPlanted(AssertionError):
     """Sandboxed Bash could plant a skill link in a nested .claude/skills."""
 
 
-#: Why the listing assertions are xfail (measured on 2.1.197 and 2.1.335).
-LISTING_REASON = (
-    "Claude Code reads every SKILL.md it finds, through links, when it builds the skill listing "
-    "(at session start; 2.1.197 also when a file tool first touches a directory holding a nested "
-    ".claude/skills) and sends a file without front matter's first line as the skill's "
-    "description in a <system-reminder>: the closed file reaches the API with no tool call, so "
-    "no PreToolUse hook runs. sandbox.deny (Read() deny rules) does not stop it; "
-    "strictPluginOnlyCustomization: [\"skills\"] in the drop-in does, but also drops every "
-    "project and user skill. What would hold it: Claude Code not following a SKILL.md link out "
-    "of its skills directory (or honouring Read deny rules there), or agentsandbox refusing "
-    "such a link before the session starts (SessionStart cannot stop the listing)."
-)
+#: Why the plant assertion is xfail (measured on 2.1.197 and 2.1.335).
 PLANT_REASON = (
     "issue 23's Build asks the drop-in's sandbox to deny Bash writes to nested "
-    ".claude/{skills,commands,agents} and settings*.json; Claude Code's Linux sandbox skips glob "
-    "write rules ('Skipping glob write pattern on Linux'), so the drop-in cannot say it, and "
-    "Claude Code protects only the cwd's own .claude"
+    ".claude/{skills,commands,agents} and settings*.json, at any depth. Neither release can be told "
+    "so: a glob write rule (**/.claude/skills) is skipped on Linux ('Skipping glob write pattern on "
+    "Linux'), so Bash still plants sub/.claude/skills/r/SKILL.md; sandbox.mandatoryDenySearchDepth "
+    "is not passed from the settings to the sandbox runtime, whose own dangerous names hold "
+    ".claude/commands and .claude/agents but not .claude/skills, and an existing "
+    "a/.claude/commands and a/.claude/skills were both written; a literal deny path holds even "
+    "before it exists (a denied <project>/b/.claude/skills could not be created), but the "
+    "directories a session may create cannot be listed in a machine-wide drop-in. Claude Code "
+    "itself protects the cwd's own .claude, and 2.1.335 every parent's too (2.1.197 let Bash "
+    "plant in a writable parent's .claude/skills). What holds the link's consequences instead: "
+    "the drop-in's policyHelper refuses any later session whose start would list it, the file "
+    "tools refuse the directory that would make 2.1.197 list it mid-session, and Skill and Agent "
+    "are refused while it exists"
 )
+REFUSED_AT_START = "agentsandbox refused to start this Claude Code session"
 
 
 def _link(at: Path, target: Path, relative: bool = False) -> None:
@@ -364,13 +366,24 @@ def _buildSkill(project: Path) -> None:
     skill.write_text(f"---\nname: build\ndescription: build the project\n---\n{SKILL_BODY}\n")
 
 
-def _listed(*names: str) -> list[str]:
-    """How the skill listing shows a skill whose SKILL.md is the notes file.
+def refusedAtStart(claude: ClaudeBinary, world: World, api: MockMessagesAPI, cwd: Path, *named: str) -> ClaudeRun:
+    """A session started in ``cwd`` that the drop-in's policyHelper refuses.
 
-    In a request's reminder (``- NAME: DESCRIPTION``), and in the
-    ``commands_changed`` events Claude Code writes to its own stdout.
+    Claude Code exits non-zero before it sends any request, saying
+    ``policyHelper failed: …`` with our reason, which names each of ``named``.
     """
-    return [f"- {name}: {NOTES_TEXT}" for name in names] + [f'"description":"{NOTES_TEXT}']
+    before = world.secretFiles()
+    run = runClaude(claude.require(), [ToolCall("Bash", {"command": "true"})], cwd=cwd, env=world.claudeEnv(api),
+                    api=api)
+    assert not run.timedOut, run.describe()
+    assert run.returncode not in (0, None), f"the session started\n{run.describe()}"
+    assert run.requests == [], f"Claude Code sent {len(run.requests)} requests\n{run.describe()}"
+    assert "policyHelper failed" in run.stderr and REFUSED_AT_START in run.stderr, run.describe()
+    for text in named:
+        assert text in run.stderr, f"the refusal does not name {text}\n{run.describe()}"
+    assertNoLeak(run, world)
+    assert world.secretFiles() == before, f"a protected file changed\n{run.describe()}"
+    return run
 
 
 @pytest.mark.claude
@@ -378,38 +391,56 @@ def test_skill_linked_to_a_closed_file_is_refused(claude: ClaudeBinary, world: W
                                                   managed: dict[str, Any]) -> None:
     """Issue 23, 3: SKILL.md links to ~/Documents/notes.txt, in the project's and a nested .claude.
 
-    Both releases: our hook refuses ``Skill notes`` (naming the link and its
-    target), refuses the Read that would make 2.1.197 discover the nested
-    ``sub/.claude`` (naming that link), and ``Skill roadmap`` is refused (by our
-    hook, or as unknown where the refused Read kept Claude Code from discovering
-    it); while a link to a closed file is there, every skill is refused, the
-    project's own ``build`` too.  The notes reach the API nowhere but the skill
-    listing (which the xfail tests below hold).  Control: once the links are
-    removed, ``build`` loads and its body reaches the model.
+    Both releases: with the project's own link, the session does not start
+    (the policyHelper names the link and its target; Claude Code sends
+    nothing).  With only the nested ``sub/.claude`` link: our hook refuses the
+    Read that would make 2.1.197 discover it (naming that link), ``Skill
+    roadmap`` is refused (by our hook, or as unknown where the refused Read
+    kept Claude Code from discovering it), and while a link to a closed file
+    is there every skill is refused, the project's own ``build`` too.  Bash's
+    attempt to plant a link in the parent's ``.claude/skills`` works on 2.1.197
+    (the next session there is then refused at start, naming it) and is
+    refused by 2.1.335's sandbox.  The notes reach the API nowhere.  Control:
+    once the links are removed, ``build`` loads and its body reaches the model.
     """
-    project = _project(world, claude, "skill")
+    parent = _project(world, claude, "skill")
+    project = parent / "repo"
+    project.mkdir()
+    (project / "README.md").write_text(PROJECT_TEXT + "\n")
     notes = world.documents / "notes.txt"
-    _link(project / ".claude" / "skills" / "notes" / "SKILL.md", notes)
-    _link(project / "sub" / ".claude" / "skills" / "roadmap" / "SKILL.md", notes)
+    top = project / ".claude" / "skills" / "notes" / "SKILL.md"
+    nestedLink = project / "sub" / ".claude" / "skills" / "roadmap" / "SKILL.md"
+    planted = parent / ".claude" / "skills" / "pnotes" / "SKILL.md"
+    _link(top, notes)
+    _link(nestedLink, notes)
     (project / "sub" / "x.txt").write_text("x\n")
     _buildSkill(project)
+    refusedAtStart(claude, world, api, project, str(top), str(notes))
+
+    shutil.rmtree(top.parent)
     calls = [
-        ToolCall("Skill", {"skill": "notes"}),
         ToolCall("Read", {"file_path": str(project / "sub" / "x.txt")}),
+        ToolCall("Bash", {"command": f"mkdir -p {planted.parent} && ln -s {notes} {planted} && echo planted"}),
         ToolCall("Bash", {"command": "true"}),
         ToolCall("Skill", {"skill": "roadmap"}),
         ToolCall("Skill", {"skill": "build"}),
     ]
-    run = play(claude, world, api, calls, cwd=project)
-    top, touch, _, nested, build = run.outcomes
-    assertOurHook(top, run, str(project / ".claude/skills/notes/SKILL.md"), str(notes))
-    assertOurHook(touch, run, str(project / "sub/.claude/skills/roadmap/SKILL.md"), str(notes))
-    assert nested.isError, run.describe()
-    assert "agentsandbox refused" in nested.text or "Unknown skill: roadmap" in nested.text, run.describe()
-    assertOurHook(build, run, str(notes), "remove the link")
-    assertNoLeak(run, world, excused=_listed("notes", "roadmap"))
-    for link in (project / ".claude/skills/notes", project / "sub/.claude/skills/roadmap"):
-        shutil.rmtree(link)
+    try:
+        run = play(claude, world, api, calls, cwd=project)
+        touch, plant, _, nested, build = run.outcomes
+        assertOurHook(touch, run, str(nestedLink), str(notes))
+        # 2.1.197 lets Bash write the parent's .claude (it lies in ~/work); 2.1.335 protects it.
+        assert (plant.text == "planted") == os.path.islink(planted), run.describe()
+        assert os.path.islink(planted) or "Read-only file system" in plant.text, run.describe()
+        assert nested.isError, run.describe()
+        assert "agentsandbox refused" in nested.text or "Unknown skill: roadmap" in nested.text, run.describe()
+        assertOurHook(build, run, str(notes), "remove the link")
+        assertNoLeak(run, world)
+        if os.path.islink(planted):
+            refusedAtStart(claude, world, api, project, str(planted), str(notes))
+    finally:
+        shutil.rmtree(parent / ".claude", ignore_errors=True)
+    shutil.rmtree(nestedLink.parent)
     again = play(claude, world, api, [ToolCall("Skill", {"skill": "build"})], cwd=project)
     assertWorked(again.outcomes[0], again)
     assert again.requestsHolding(SKILL_BODY), f"the build skill's body never reached the model\n{again.describe()}"
@@ -417,23 +448,78 @@ def test_skill_linked_to_a_closed_file_is_refused(claude: ClaudeBinary, world: W
 
 
 @pytest.mark.claude
-@pytest.mark.xfail(raises=SkillListingLeak, strict=True, reason=LISTING_REASON)
 def test_skill_listing_at_session_start_never_carries_a_closed_file(claude: ClaudeBinary, world: World,
                                                                     api: MockMessagesAPI,
                                                                     managed: dict[str, Any]) -> None:
     """A repository that carries ``.claude/skills/notes/SKILL.md -> ../../../../Documents/notes.txt``.
 
-    A relative link, as a cloned repository can hold one: no tool call at all,
-    the session only runs ``true``.  Both releases send the notes in the first
-    request's skill listing.
+    A relative link, as a cloned repository can hold one.  Without the
+    drop-in's policyHelper, both releases sent the notes in the first
+    request's skill listing, before any hook ran.  Both releases: a session
+    started there, or in a directory below it, is refused before any request,
+    and so is one whose ``.claude/commands/notes.md`` links to the notes;
+    the refusal names the link and the notes.  Control: without the links the
+    session starts and its first request lists the project's own ``build``
+    and the user's ``mine`` skill (so ~/.claude/skills is still read).
     """
     project = _project(world, claude, "listing")
-    _link(project / ".claude" / "skills" / "notes" / "SKILL.md", world.documents / "notes.txt", relative=True)
+    (project / "sub").mkdir()
+    notes = world.documents / "notes.txt"
+    skill = project / ".claude" / "skills" / "notes" / "SKILL.md"
+    command = project / ".claude" / "commands" / "notes.md"
+    mine = world.home / ".claude" / "skills" / "mine" / "SKILL.md"
+    _buildSkill(project)
+    _link(skill, notes, relative=True)
+    refusedAtStart(claude, world, api, project, str(skill), str(notes))
+    refusedAtStart(claude, world, api, project / "sub", str(skill), str(notes))
+    shutil.rmtree(skill.parent)
+    _link(command, notes, relative=True)
+    refusedAtStart(claude, world, api, project, str(command), str(notes))
+    command.unlink()
+
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_text("---\nname: mine\ndescription: the user's own skill\n---\nmine\n")
+    try:
+        run = play(claude, world, api, [ToolCall("Bash", {"command": "true"})], cwd=project)
+    finally:
+        shutil.rmtree(mine.parent)
+    assertWorked(run.outcomes[0], run)
+    for description in ("build the project", "the user's own skill"):
+        assert run.requestsHolding(description)[:1] == [0], f"{description!r} is not listed\n{run.describe()}"
+    assertNoLeak(run, world)
+    if run.requestsHolding(CANARY_DOCUMENTS):
+        raise SkillListingLeak(run.describe())
+
+
+@pytest.mark.claude
+def test_memory_at_session_start_never_carries_a_closed_file(claude: ClaudeBinary, world: World,
+                                                             api: MockMessagesAPI,
+                                                             managed: dict[str, Any]) -> None:
+    """A repository whose ``CLAUDE.md`` (or a rule, or a file it imports) links to the notes.
+
+    Claude Code sends memory files whole in the first request.  Measured
+    without the policyHelper: ``CLAUDE.md``, ``CLAUDE.local.md`` and
+    ``.claude/CLAUDE.md`` linked to the notes sent them on both releases, a
+    linked ``.claude/rules/r.md`` and an ``@docs/n.md`` import of a linked
+    file on 2.1.197.  Both releases: each of these sessions is refused before
+    any request, naming the link.  Control: a plain ``CLAUDE.md`` importing a
+    plain file reaches the model.
+    """
+    project = _project(world, claude, "memory")
+    notes = world.documents / "notes.txt"
+    cases = [project / "CLAUDE.md", project / ".claude" / "CLAUDE.md", project / ".claude" / "rules" / "r.md"]
+    for at in cases:
+        _link(at, notes, relative=True)
+        refusedAtStart(claude, world, api, project, str(at), str(notes))
+        at.unlink()
+    (project / "CLAUDE.md").write_text("# the project\nSee @docs/n.md\n")
+    _link(project / "docs" / "n.md", notes, relative=True)
+    refusedAtStart(claude, world, api, project, str(project / "docs" / "n.md"), str(notes))
+    (project / "docs" / "n.md").unlink()
+    (project / "docs" / "n.md").write_text("agentsandbox e2e imported memory: mem-5e2a\n")
     run = play(claude, world, api, [ToolCall("Bash", {"command": "true"})], cwd=project)
-    assertNoLeak(run, world, excused=_listed("notes"))
-    listed = run.requestsHolding(CANARY_DOCUMENTS)
-    if listed:
-        raise SkillListingLeak(f"the skill listing of requests {listed} holds {NOTES_TEXT!r}\n{run.describe()}")
+    assert run.requestsHolding("mem-5e2a")[:1] == [0], f"the imported memory is not sent\n{run.describe()}"
+    assertNoLeak(run, world)
 
 
 @pytest.mark.claude
@@ -443,11 +529,12 @@ def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBina
     """The issue's own path: sandboxed Bash plants the link in ``sub/.claude/skills/roadmap``.
 
     Both releases: the plant succeeds (xfail: the issue asks the sandbox to
-    deny it, which Claude Code's Linux sandbox cannot: it skips glob write
-    rules), our hook refuses the Read of ``sub/x.txt`` that would make 2.1.197
-    discover the nested skill and list it with the notes as its description at
-    the next turn, and ``Skill roadmap`` is refused.  2.1.335 does not list it
-    mid-session.
+    deny it, which neither release can be told: PLANT_REASON), our hook
+    refuses the Read of ``sub/x.txt`` that would make 2.1.197 discover the
+    nested skill and list it with the notes as its description at the next
+    turn, and ``Skill roadmap`` is refused.  2.1.335 does not list it
+    mid-session.  A later session started in ``sub`` is refused before any
+    request, naming the planted link.
     """
     request.applymarker(pytest.mark.xfail(raises=NestedSkillPlanted, strict=True, reason=PLANT_REASON))
     project = _project(world, claude, "plant")
@@ -470,11 +557,13 @@ def test_a_nested_skill_planted_by_bash_never_reaches_the_api(claude: ClaudeBina
         # Claude Code may not know the skill at all: refused either way.
         assertOurHook(touch, run, str(world.documents / "notes.txt"))
         assert "agentsandbox refused" in skill.text or "Unknown skill: roadmap" in skill.text, run.describe()
-    assertNoLeak(run, world, excused=_listed("roadmap"))
+    assertNoLeak(run, world)
     listed = run.requestsHolding(CANARY_DOCUMENTS)
     if listed:
         raise SkillListingLeak(f"the skill listing of requests {listed} holds {NOTES_TEXT!r}\n{run.describe()}")
     if planted:
+        refusedAtStart(claude, world, api, project / "sub", str(project / "sub/.claude/skills/roadmap/SKILL.md"),
+                       str(world.documents / "notes.txt"))
         raise NestedSkillPlanted(f"{run.outcomes[0].text!r}: sub/.claude/skills/roadmap/SKILL.md was planted")
 
 

@@ -7,6 +7,7 @@ against a hook that knew six file tools (which it fails).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,154 @@ def test_sessionstart_warns_of_a_definition_that_leads_to_a_closed_file(home: Us
     said = json.loads(start())["systemMessage"]
     assert "WARNING" in said and str(skill / "SKILL.md") in said and home.h("Documents/notes.txt") in said
     assert "MARKER" not in said
+
+
+def helper(home: User, cwd: str | None = None) -> tuple[int, str]:
+    """The policyHelper's answer for a session started in ``cwd`` (the repo by default)."""
+    return hook.policyHelper(home.env, home.h("projects/repo") if cwd is None else cwd)
+
+
+def test_policy_helper_refuses_a_session_whose_listing_would_carry_a_closed_file(home: User) -> None:
+    """Claude Code lists every skill, command and agent of the user's, the cwd's and each parent's .claude."""
+    project = home.home / "projects/repo"
+    notes = home.h("Documents/notes.txt")
+    assert helper(home) == (0, "{}")
+    for at in (project / ".claude/skills/notes/SKILL.md", project / ".claude/commands/deep/notes.md",
+               project / ".claude/agents/a.md", home.home / "projects/.claude/skills/up/SKILL.md",
+               project / "CLAUDE.md", project / "CLAUDE.local.md", project / ".claude/CLAUDE.md",
+               project / ".claude/rules/deep/r.md", home.home / "projects/CLAUDE.md"):
+        at.parent.mkdir(parents=True, exist_ok=True)
+        at.symlink_to(notes)
+        code, text = helper(home)
+        assert code == 1 and f"{at} leads to {notes}, which sessions may not read" in text, text
+        assert text.startswith("agentsandbox refused to start this Claude Code session: ") and "MARKER" not in text
+        # Below the project too (its .claude is a parent's there).
+        assert helper(home, home.h("projects/repo/src"))[0] == 1
+        at.unlink()
+    assert helper(home) == (0, "{}")
+
+
+def test_policy_helper_follows_memory_imports(home: User) -> None:
+    """CLAUDE.md's ``@path`` imports are read whole at start; 2.1.197 follows a link there."""
+    project = home.home / "projects/repo"
+    (project / "docs").mkdir()
+    (project / "docs/n.md").symlink_to(home.home / "Documents/notes.txt")
+    (project / "shelf").symlink_to(home.home / "Documents")
+    _write(project / "docs/plain.md", "see @n.md\n")
+    for text in ("See @docs/n.md", "See @shelf/notes.txt", "See @docs/plain.md", "a\n@./docs/n.md\n"):
+        (project / "CLAUDE.md").write_text(text + "\n")
+        code, said = helper(home)
+        assert code == 1 and str(home.home / "Documents/notes.txt") in said and "whole" in said, (text, said)
+    # Claude Code does not import a file outside the project unless the user approved it there.
+    for text in ("See @~/Documents/notes.txt", "mail me@example.org", "@docs/missing.md", "email@docs/n.md"):
+        (project / "CLAUDE.md").write_text(text + "\n")
+        assert helper(home) == (0, "{}"), text
+
+
+def test_policy_helper_trusts_the_users_own_claude_directory_unless_sessions_write_it(home: User) -> None:
+    mine = home.home / ".claude/skills/mine/SKILL.md"
+    mine.parent.mkdir(parents=True)
+    mine.symlink_to(home.home / "Documents/notes.txt")
+    _write(home.home / "dotfiles/rules/r.md", "my rules\n")
+    (home.home / ".claude/rules").symlink_to(home.home / "dotfiles/rules")
+    assert helper(home) == (0, "{}")
+    home.writeConfig('[sandbox]\nwrite = ["~/projects/repo", "~/.claude"]\n')
+    code, said = helper(home)
+    assert code == 1 and home.h("Documents/notes.txt") in said, said
+
+
+def test_policy_helper_follows_links_of_directories(home: User) -> None:
+    """A skill directory, a skills directory and a .claude that are links lead where they point."""
+    project = home.home / "projects/repo"
+    (home.home / "Documents/skills/x").mkdir(parents=True)
+    (home.home / "Documents/skills/x/SKILL.md").write_text("---\nname: x\n---\nMARKER\n")
+    for at, target in ((project / ".claude/skills/docs", home.home / "Documents/skills/x"),
+                       (project / ".claude/skills", home.home / "Documents/skills"),
+                       (project / ".claude", home.home / "Documents")):
+        shutil.rmtree(project / ".claude", ignore_errors=True)
+        at.parent.mkdir(parents=True, exist_ok=True)
+        at.symlink_to(target)
+        code, text = helper(home)
+        assert code == 1 and str(home.home / "Documents") in text, (at, text)
+        at.unlink()
+
+
+def test_policy_helper_lets_the_own_and_the_readable_definitions_start(home: User) -> None:
+    project = home.home / "projects/repo"
+    _write(project / ".claude/skills/build/SKILL.md", "---\nname: build\ndescription: b\n---\nmake\n")
+    _write(home.home / ".claude/commands/mine.md", "my own command\n")
+    _write(home.home / ".claude/agents/reviewer.md", "---\nname: reviewer\n---\nreview\n")
+    # A link inside its .claude, and one to a file sessions may read.
+    (project / ".claude/skills/alias").mkdir()
+    (project / ".claude/skills/alias/SKILL.md").symlink_to("../build/SKILL.md")
+    _write(home.home / "projects/other/shared.md", "shared\n")
+    (project / ".claude/commands").mkdir()
+    (project / ".claude/commands/shared.md").symlink_to(home.home / "projects/other/shared.md")
+    # The user's .claude may itself be a link (dotfiles): what lies in it is the user's own.
+    (home.home / "dotfiles").mkdir()
+    (home.home / ".claude").rename(home.home / "dotfiles/claude")
+    (home.home / ".claude").symlink_to(home.home / "dotfiles/claude")
+    assert helper(home) == (0, "{}")
+    # Nested .claude directories are not listed at start: the file tools hold them.
+    _write(project / "sub/.claude/skills/r/SKILL.md", "")
+    (project / "sub/.claude/skills/r/SKILL.md").unlink()
+    (project / "sub/.claude/skills/r/SKILL.md").symlink_to(home.home / "Documents/notes.txt")
+    assert helper(home) == (0, "{}")
+    assert helper(home, home.h("projects/repo/sub"))[0] == 1
+
+
+def test_policy_helper_fails_closed(home: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    project = home.home / "projects/repo"
+    code, text = hook.policyHelper(home.env, None)
+    assert code == 1 and "working directory cannot be told" in text
+    # A broken config: the session starts (every file tool is refused), unless a link leads out.
+    home.writeConfig("[sandbox\n")
+    assert helper(home) == (0, "{}")
+    (project / ".claude/skills/x").mkdir(parents=True)
+    (project / ".claude/skills/x/SKILL.md").symlink_to(home.home / "projects/other/readable.md")
+    code, text = helper(home)
+    assert code == 1 and "a link out of where it lies" in text and "config cannot be loaded" in text, text
+    home.writeConfig('[sandbox]\nread = ["~/projects/other"]\nwrite = ["~/projects/repo"]\n')
+    assert helper(home) == (0, "{}")
+    monkeypatch.setattr(hook, "_SKILL_ENTRIES", 0)
+    code, text = helper(home)
+    assert code == 1 and "more than 0 entries" in text, text
+
+
+def test_policy_helper_refuses_before_printing_settings(home: User) -> None:
+    """Claude Code runs the drop-in's policyHelper.path with no arguments; it finds the session through its parent."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    project = home.home / "projects/repo"
+    env = dict(home.env, PYTHONPATH=str(REPO))
+    script = ("import os, subprocess, sys; os.chdir(sys.argv[1]); "
+              "p = subprocess.run([sys.executable, '-m', 'agentsandbox.policyhelper'], cwd='/', capture_output=True, "
+              "text=True); print(p.returncode); print(p.stdout.strip()[:40]); print(p.stderr.strip())")
+
+    def run() -> list[str]:
+        p = subprocess.run([sys.executable, "-c", script, str(project)], env=env, capture_output=True, text=True,
+                           timeout=60, check=True)
+        return p.stdout.split("\n")
+
+    assert run()[:2] == ["0", '{"managedSettings": {"env": {"AGENTSANDB']
+    (project / ".claude/skills/notes").mkdir(parents=True)
+    (project / ".claude/skills/notes/SKILL.md").symlink_to(home.home / "Documents/notes.txt")
+    code, out, said, *_ = run()
+    assert code == "1" and out == "" and str(project / ".claude/skills/notes/SKILL.md") in said
+
+
+def test_the_drop_in_names_the_helper_beside_the_command(home: User) -> None:
+    policy = home.policy(exe="/usr/bin/agentsandbox")
+    assert claude.renderMachine(policy)["policyHelper"] == {"path": "/usr/bin/agentsandbox-policy-helper"}
+    assert "policyHelper" not in claude.render(policy)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def test_touching_a_directory_with_a_planted_skill_link_is_refused(home: User) -> None:
