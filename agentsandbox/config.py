@@ -171,12 +171,45 @@ class EnvSource:
 TokenSource = CommandSource | FileSource | EnvSource
 
 
+#: What a request rule does with a request it matches (``action``), and what
+#: a rule's ``unmatched`` does with one no rule matches.
+ALLOW, REFUSE = "allow", "refuse"
+ACTIONS = (ALLOW, REFUSE)
+
+
+@dataclass(frozen=True)
+class RequestRule:
+    """One ``[[inject.requests]]`` (or ``[[github.requests]]``) entry: requests of
+    ``methods`` (any when empty) to a path ``path`` matches, on ``host`` (any of
+    the rule's hosts when None), are let through (``allow``) or answered 403
+    (``refuse``).  ``key`` is where it is written, for the refusal's text.
+
+    ``path`` is a pattern of ``/``-separated segments: ``*`` inside a segment
+    matches any run of characters but ``/``, a segment ``**`` any number of
+    segments (none included).  ``egress/reqrules.py`` matches it.
+    """
+
+    key: str
+    action: str
+    path: str
+    methods: tuple[str, ...] = ()
+    host: str | None = None
+
+    def describe(self) -> str:
+        methods = ",".join(self.methods) if self.methods else "any method"
+        on = f" on {self.host}" if self.host else ""
+        return f"{self.action} {methods} {self.path}{on}"
+
+
 @dataclass(frozen=True)
 class InjectRule:
     """Set ``header`` to ``format`` on requests to ``hosts`` (TLS terminated on 443).
 
     ``format`` may hold ``{token}`` and ``{basic}``; ``{basic}`` is
-    ``base64(basic_user + ":" + token)``.
+    ``base64(basic_user + ":" + token)``.  ``requests`` are the ordered
+    request rules (the first that matches decides); a request none matches is
+    let through when ``unmatched`` is ``allow``.  ``key`` names the rule in
+    refusals: ``inject[N]``, or ``github`` for the built-in rule.
     """
 
     hosts: tuple[str, ...]
@@ -184,6 +217,14 @@ class InjectRule:
     format: str
     token: TokenSource
     basic_user: str | None = None
+    requests: tuple[RequestRule, ...] = ()
+    unmatched: str = ALLOW
+    key: str = ""
+
+    @property
+    def decides(self) -> bool:
+        """Whether requests are matched at all (a rule, or ``unmatched = "refuse"``)."""
+        return bool(self.requests) or self.unmatched != ALLOW
 
     def render(self, token: str) -> str:
         import base64
@@ -259,6 +300,8 @@ class AuditConfig:
     file: str
     max_bytes: int = 10 * 1024 * 1024
     keep: int = 3
+    #: Whether a terminated request's record keeps its query string (it may hold secrets).
+    queries: bool = False
 
 
 @dataclass(frozen=True)
@@ -314,8 +357,11 @@ class Config:
         return None
 
 
-def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
-    """The built-in rule: one ``gh auth token`` for GitHub's three hosts."""
+def githubRules(
+    token: TokenSource | None = None, requests: tuple[RequestRule, ...] = (), unmatched: str = ALLOW
+) -> tuple[InjectRule, ...]:
+    """The built-in rule: one ``gh auth token`` for GitHub's three hosts, with
+    ``[github]``'s request rules (``requests``, ``unmatched``)."""
     source = token or CommandSource(command=("gh", "auth", "token"))
     return (
         InjectRule(
@@ -324,12 +370,18 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
             format="Basic {basic}",
             basic_user="x-access-token",
             token=source,
+            requests=tuple(r for r in requests if r.host in (None, "github.com")),
+            unmatched=unmatched,
+            key="github",
         ),
         InjectRule(
             hosts=("api.github.com", "uploads.github.com"),
             header="Authorization",
             format="token {token}",
             token=source,
+            requests=tuple(r for r in requests if r.host != "github.com"),
+            unmatched=unmatched,
+            key="github",
         ),
     )
 
@@ -790,10 +842,78 @@ def _parseToken(t: _Table, paths: Paths) -> TokenSource:
     return EnvSource(env, renew)
 
 
+_METHOD = re.compile(r"[A-Z][A-Z0-9_-]*")
+#: A path pattern: an absolute path of visible ASCII, without what a request's
+#: target may not hold on a path with rules (egress/reqrules.py refuses those).
+_PATH_PATTERN = re.compile(r"/[!$&'()*+,\-.0-9:;=@A-Z_a-z~/%]*")
+
+
+def _parseRequests(t: _Table, hosts: tuple[str, ...]) -> tuple[tuple[RequestRule, ...], str]:
+    """``requests`` (an array of tables) and ``unmatched`` of an inject rule or of ``[github]``."""
+    t.seen.add("requests")
+    value = t.data.get("requests", [])
+    if not isinstance(value, list):
+        raise t.error("requests", f"must be an array of tables ([[{t.prefix.split('[')[0]}.requests]])")
+    rules: list[RequestRule] = []
+    for i, item in enumerate(value):
+        r = _Table(t.source, t.key(f"requests[{i}]"), item)
+        action = r.get("action", str, "")
+        if action not in ACTIONS:
+            raise r.error("action", f"{action!r} is not \"allow\" or \"refuse\"")
+        path = r.get("path", str, "")
+        if not _PATH_PATTERN.fullmatch(path):
+            raise r.error(
+                "path",
+                f"{path!r} is not a path pattern (/…: '*' within a segment, '**' for any segments; "
+                "no query, fragment, backslash or space)",
+            )
+        segments = path.split("/")[1:]
+        for segment in segments:
+            if segment in (".", "..") or ("**" in segment and segment != "**"):
+                raise r.error(
+                    "path", f"{path!r}: a segment is '**' alone, and never '.' or '..' (they are refused in requests)"
+                )
+        if "//" in path:
+            raise r.error("path", f"{path!r}: an empty segment ('//') matches nothing (such requests are refused)")
+        methods = r.strings("methods", ())
+        for j, m in enumerate(methods):
+            if not _METHOD.fullmatch(m):
+                raise r.error(f"methods[{j}]", f"{m!r} is not an HTTP method in capitals (GET, POST, …)")
+        host = r.get("host", str, "") or None
+        if host is not None and host.lower() not in hosts:
+            raise r.error("host", f"{host!r} is not one of this rule's hosts ({', '.join(hosts)})")
+        r.finish()
+        rules.append(
+            RequestRule(key=r.prefix, action=action, path=path, methods=methods, host=host.lower() if host else None)
+        )
+    unmatched = t.get("unmatched", str, ALLOW)
+    if unmatched not in ACTIONS:
+        raise t.error("unmatched", f"{unmatched!r} is not \"allow\" or \"refuse\"")
+    return tuple(rules), unmatched
+
+
+def _parseGithub(root: _Table) -> tuple[tuple[RequestRule, ...], str] | None:
+    """``[github]``: request rules for the built-in GitHub rule; None when absent."""
+    root.seen.add("github")
+    if "github" not in root.data:
+        return None
+    t = _Table(root.source, "github", root.data["github"])
+    if "inject" in root.data:
+        raise t.error(
+            "requests",
+            "[github] shapes the built-in GitHub rule, which [[inject]] tables replace; "
+            "put these requests in the [[inject]] rule for GitHub's hosts",
+        )
+    parsed = _parseRequests(t, GITHUB_HOSTS)
+    t.finish()
+    return parsed
+
+
 def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
     root.seen.add("inject")
+    github = _parseGithub(root)
     if "inject" not in root.data:
-        return githubRules()
+        return githubRules() if github is None else githubRules(requests=github[0], unmatched=github[1])
     value = root.data["inject"]
     if not isinstance(value, list):
         raise root.error("inject", "must be an array of tables ([[inject]])")
@@ -830,10 +950,12 @@ def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
         if any(c in fmt for c in "\r\n\0"):
             raise t.error("format", "cannot contain CR, LF or NUL")
         token = _parseToken(t, paths)
+        requests, unmatched = _parseRequests(t, tuple(canon))
         t.finish()
         rules.append(
             InjectRule(
-                hosts=tuple(canon), header=header, format=fmt, basic_user=basicUser, token=token
+                hosts=tuple(canon), header=header, format=fmt, basic_user=basicUser, token=token,
+                requests=requests, unmatched=unmatched, key=t.prefix,
             )
         )
     return tuple(rules)
@@ -922,6 +1044,7 @@ def _parseAudit(t: _Table, paths: Paths) -> AuditConfig:
         file=_absPath(t, "file", file, paths) if file else paths.auditLog,
         max_bytes=_positive(t, "max_bytes", int, 10 * 1024 * 1024),
         keep=_positive(t, "keep", int, 3),
+        queries=t.get("queries", bool, False),
     )
     t.finish()
     return audit

@@ -14,7 +14,8 @@ places (Claude Code's sandbox through the policy helper, the hook, the proxy,
   machine's plus the user's;
 - where the sandboxes dial and the dispatcher (``proxy.port``, ``listen``,
   ``dispatch_socket``, ``dispatch_root``): the machine's alone;
-- what is the user's by nature (their tokens and ``inject`` rules, ``broker``,
+- what is the user's by nature (their tokens and ``inject`` rules with their
+  request rules, ``[github]`` included, ``broker``,
   ``scope``, ``audit``, the proxy's limits and parent): the user's where given.
 
 A notice is a wish the machine does not grant; ``doctor`` shows each as a
@@ -102,7 +103,8 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         machine=machine.source,
         sandbox=sandbox,
         proxy=replace(machine.proxy, **proxyValues),
-        inject=user.inject if "inject" in given else machine.inject,
+        # [github] shapes the built-in inject rule: it is the user's as [[inject]] is.
+        inject=user.inject if "inject" in given or "github" in given else machine.inject,
         broker=user.broker if "broker" in given else machine.broker,
         scope=user.scope if "scope" in given else machine.scope,
         audit=user.audit if "audit" in given else machine.audit,

@@ -173,6 +173,8 @@ class AgentSandbox(MultiService):
             self.holder, reactor, clock=clock, environ=self.environ, dialer=dialer, upstreamTrust=upstreamTrust
         )
         self.injection.setServiceParent(self)
+        # Refused requests and withheld responses of terminated tunnels are decisions too.
+        self.injection.injector.audit = self.audit.record
 
         self.proxyFactory = EgressProxyFactory(
             self.holder,

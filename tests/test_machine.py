@@ -152,6 +152,16 @@ def test_what_is_the_users_by_nature_is_theirs(user: User, machineFile: MachineC
     assert config.proxy.parent == "http://127.0.0.1:8080"
 
 
+def test_a_users_github_table_is_their_inject_rule(user: User, machineFile: MachineConfig) -> None:
+    """[github] shapes the built-in GitHub rule, which is the user's as [[inject]] is."""
+    machineFile.write(MACHINE + '\n[[inject]]\nhosts = ["api.example.com"]\ntoken_env = "MACHINE_TOKEN"\n')
+    user.writeConfig('[github]\n[[github.requests]]\naction = "refuse"\nmethods = ["POST"]\npath = "/gists"\n')
+    config = load(None, user.env)
+    api = config.injectFor("api.github.com")
+    assert api is not None and [r.key for r in api.requests] == ["github.requests[0]"]
+    assert config.injectFor("api.example.com") is None and config.notices == ()
+
+
 def test_the_narrowed_layout_is_checked_again(user: User, machineFile: MachineConfig) -> None:
     """A user's read and write may each be granted yet nest in a way the sandbox cannot mount."""
     machineFile.write('[sandbox]\nread = ["~/a"]\nwrite = ["~/a"]\n')

@@ -98,6 +98,8 @@ from agentsandbox.egress.http11 import (
     forwardedLines,
 )
 from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
+from agentsandbox.egress.leakscan import LeakScanner, tokenForms
+from agentsandbox.egress.reqrules import METHOD_OVERRIDES, RequestPolicy
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
@@ -110,6 +112,9 @@ HTTPS_PORT = 443
 #: table, plus Host (set to the tunnel's host) and every client Authorization
 #: (the rule's header is set instead).
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"authorization"}
+#: The same, when responses are searched for the token: the client's
+#: ``Accept-Encoding`` too (``identity`` is asked for, so the body can be read).
+_NOT_FORWARDED_SCANNED = _NOT_FORWARDED | {b"accept-encoding"}
 _REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 
 #: A pipelining client may not run further ahead than this while we answer.
@@ -123,17 +128,36 @@ class Route:
     host: str
     rule: InjectRule
     keeper: ITokenHolder
+    #: Whether responses are searched for the token (``leakscan.py``).
+    scan: bool = True
     headerName: bytes = field(init=False)
     headerPrefix: bytes = field(init=False)
     hostLine: bytes = field(init=False)
+    #: The request rules for this host; None when the rule has none.
+    policy: RequestPolicy | None = field(init=False)
+    notForwarded: frozenset[bytes] = field(init=False)
     _lastToken: str | None = field(default=None, init=False)
     _lastValue: bytes = field(default=b"", init=False)
     _warned: bool = field(default=False, init=False)
+    _formsToken: str | None = field(default=None, init=False)
+    _forms: tuple[bytes, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         self.headerName = self.rule.header.lower().encode("ascii")
         self.headerPrefix = self.headerName + b": "
         self.hostLine = b"host: " + self.host.encode("ascii") + b"\r\n"
+        self.policy = RequestPolicy(self.rule, self.host) if self.rule.decides else None
+        self.notForwarded = _NOT_FORWARDED_SCANNED if self.scan else _NOT_FORWARDED
+
+    def leakForms(self) -> tuple[bytes, ...]:
+        """The forms of the current token a response must not carry (none without a token)."""
+        token = self.keeper.token()
+        if token is None:
+            return ()
+        if token is not self._formsToken:
+            self._forms = tokenForms(token)
+            self._formsToken = token
+        return self._forms
 
     def headerValue(self) -> bytes | None:
         """The header value for the current token; None (and one warning) without one."""
@@ -157,14 +181,15 @@ class Route:
 
 
 def routesFor(
-    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder]
+    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder], scan: bool = True
 ) -> dict[str, Route]:
-    """host -> Route for every host of every rule."""
+    """host -> Route for every host of every rule (``scan=False``: responses are
+    not searched for the token, for the benchmark's baseline only)."""
     routes: dict[str, Route] = {}
     for rule in rules:
         keeper = keeperFor(rule)
         for host in rule.hosts:
-            routes[host] = Route(host, rule, keeper)
+            routes[host] = Route(host, rule, keeper, scan)
     return routes
 
 
@@ -176,6 +201,9 @@ class IUpstreamPool(Interface):
 
     def injected() -> None:
         """Count one request sent upstream with the rule's header set."""
+
+    def record(event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None) -> None:
+        """One audit record of a terminated request (a refusal, a response withheld)."""
 
     def acquire(host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         """A connected upstream to ``host``, pooled or dialled, at one of ``addresses``."""
@@ -225,6 +253,9 @@ class Injector:
         self.poolSize = poolSize
         #: Requests sent upstream with the rule's header set, for ``status``.
         self.injectedRequests = 0
+        #: Where refused requests and withheld responses are recorded
+        #: (``AuditLog.record``'s signature); the service sets it.
+        self.audit: Callable[..., object] | None = None
         self._idle: dict[str, list[_Upstream]] = {}
         #: Whether released upstreams go back to the pool; ``closeIdle`` ends it
         #: (a tunnel closed by the stopping proxy must not refill the pool).
@@ -265,6 +296,20 @@ class Injector:
 
     def injected(self) -> None:
         self.injectedRequests += 1
+
+    def record(self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None) -> None:
+        if self.audit is None:
+            return
+        self.audit(
+            event,
+            kind="inject",
+            host=host,
+            port=HTTPS_PORT,
+            method=method.decode("ascii", "replace"),
+            path=target.decode("ascii", "replace"),
+            reason=reason,
+            rule=rule,
+        )
 
     def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         idle = self._idle.get(host)
@@ -385,6 +430,8 @@ class _Exchange:
     method: bytes  # the request's: what its response answers
     upgrade: bytes | None  # the protocol it asks to switch to (only ever websocket)
     closeAfter: bool  # the client's connection ends with this exchange
+    target: bytes  # as sent upstream (origin form), for an audit record
+    chunked: bool = False  # the response's body is chunked (the scanner re-frames it)
     forwarded: bool = False  # some of the request went upstream (its head first)
     requestDone: bool = False
     responseStarted: bool = False  # the final response head went to the client
@@ -420,6 +467,8 @@ class _Tunnel(Protocol):
         self._gone = False  # the client's connection is lost
         self._lastActivity = 0.0
         self._timer: IDelayedCall | None = None
+        #: Searches responses for the token's forms; None while not scanning.
+        self._scanner: LeakScanner | None = None
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
 
     # ------------------------------------------------------------------ connection
@@ -511,13 +560,21 @@ class _Tunnel(Protocol):
                 )
             target = origin
         route = self._route
+        policy = route.policy
+        if policy is not None:
+            decision = policy.decide(method, target, any(n in METHOD_OVERRIDES for n, _ in head.fields))
+            if not decision.allowed:
+                rule = decision.rule.key if decision.rule is not None else route.rule.key + ".unmatched"
+                self._pool.record("refused", self._host, method, target, decision.text, rule)
+                raise Refused(403, decision.text)
         own = route.headerName
         lines = [method, b" ", target, b" HTTP/1.1\r\n", route.hostLine]
         hosts = 0
         connection = False
         upgrade = None
+        notForwarded = route.notForwarded
         for name, value in head.fields:
-            if name in _NOT_FORWARDED or (name[0] == 0x70 and name[:6] == b"proxy-"):
+            if name in notForwarded or (name[0] == 0x70 and name[:6] == b"proxy-"):
                 if name == b"host":
                     hosts += 1
                 elif name == b"connection":
@@ -534,7 +591,7 @@ class _Tunnel(Protocol):
             named = head.connection
             if named & {n for n, _ in head.fields}:
                 # (forwardedLines never drops the framing a Connection names)
-                drop = frozenset({b"host", b"authorization", own})
+                drop = frozenset({b"host", b"authorization", own, *notForwarded - _NOT_FORWARDED})
                 lines = [*lines[:5], forwardedLines(head, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
@@ -545,10 +602,19 @@ class _Tunnel(Protocol):
         if injected is not None:
             lines += (route.headerPrefix, injected, b"\r\n")
             self._pool.injected()
+        if route.scan:
+            # The body must be readable to be searched for the token.
+            lines.append(b"accept-encoding: identity\r\n")
+            forms = route.leakForms()
+            scanner = self._scanner
+            if not forms:
+                self._scanner = None
+            elif scanner is None or scanner.forms is not forms:
+                self._scanner = LeakScanner(forms)
         lines.append(b"\r\n")
         # (The upstream held is reusable here: _exchangeDone drops one that is
         # not, and fromUpstream one that refused bytes between exchanges.)
-        self._exchange = _Exchange(method, upgrading, self._requests.closing)
+        self._exchange = _Exchange(method, upgrading, self._requests.closing, target)
         return b"".join(lines)
 
     def _originForm(self, target: bytes) -> bytes | None:
@@ -678,6 +744,9 @@ class _Tunnel(Protocol):
         if self._closed:
             return
         exchange = self._exchange
+        if self._scanner is not None:
+            self._fromUpstreamScanned(parts, exchange, self._scanner)
+            return
         if exchange is None:
             if self._requests.switched:  # the other protocol's bytes
                 for part in parts:
@@ -708,6 +777,117 @@ class _Tunnel(Protocol):
                 parts = self._requests.next()
                 if parts:
                     self._take(parts)
+
+    def _fromUpstreamScanned(self, parts: list[Part], exchange: _Exchange | None, scanner: LeakScanner) -> None:
+        """``fromUpstream`` with every head and body byte searched for the
+        token's forms first: a hit passes none of it on, cuts the client's
+        connection (or answers 502 when no response head went out yet) and is
+        an audit record.  Chunked bodies are searched as their data, not their
+        framing, and re-framed; what the scanner holds back goes out with the
+        next read or at the body's end."""
+        if exchange is None:
+            if self._requests.switched:
+                passedOn: list[bytes] = []
+                for p in parts:
+                    if isinstance(p, bytes):
+                        passed = scanner.feed(p)
+                        if passed is None:
+                            self._leaked(None, "the websocket's bytes")
+                            return
+                        passedOn.append(passed)
+                data = b"".join(passedOn)
+                if data:
+                    self.transport.write(data)  # type: ignore[union-attr]
+            elif isinstance(parts[-1], Refused):
+                self._dropUpstream()
+            return
+        startedBefore = exchange.responseStarted
+        out: list[bytes] = []
+        ended = switched = False
+        for part in parts:
+            if part.__class__ is bytes:
+                assert isinstance(part, bytes)
+                if exchange.chunked:
+                    nl = part.index(b"\r\n")
+                    payload = part[nl + 2 : -2]
+                    if not payload:  # the last chunk
+                        tail = scanner.end()
+                        if tail:
+                            out.append(b"%x\r\n%b\r\n" % (len(tail), tail))
+                        out.append(part)
+                        continue
+                    passed = scanner.feed(payload)
+                    if passed is None:
+                        self._leaked(exchange, "the response body", startedBefore)
+                        return
+                    if passed:
+                        out.append(b"%x\r\n%b\r\n" % (len(passed), passed))
+                else:
+                    passed = scanner.feed(part)
+                    if passed is None:
+                        self._leaked(exchange, "the response body", startedBefore)
+                        return
+                    if passed:
+                        out.append(passed)
+            elif part.__class__ is Started:
+                assert isinstance(part, Started)
+                head = self._responseHead(part, exchange)
+                if scanner.whole(head):
+                    self._leaked(exchange, "the response head", startedBefore)
+                    return
+                scanner.end()
+                if not part.informational:
+                    encoding = part.head.values(b"content-encoding")
+                    if encoding and encoding != [b"identity"]:
+                        self._leaked(
+                            exchange,
+                            None,
+                            startedBefore,
+                            "the response is encoded (content-encoding: "
+                            + b", ".join(encoding).decode("ascii", "replace")
+                            + ") though identity was asked for, so it cannot be searched for the token",
+                        )
+                        return
+                    exchange.chunked = part.framing is CHUNKED
+                out.append(head)
+            elif part is END:
+                if not exchange.chunked:
+                    tail = scanner.end()
+                    if tail:
+                        out.append(tail)
+                ended = True
+            elif part is SWITCHED:
+                switched = True
+        if out:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        if switched:
+            self._switch()
+        elif ended:
+            exchange.responseDone = True
+            if self._exchangeDone():
+                parts = self._requests.next()
+                if parts:
+                    self._take(parts)
+
+    def _leaked(
+        self, exchange: _Exchange | None, where: str | None, startedBefore: bool = True, why: str | None = None
+    ) -> None:
+        """A response carried the token (in ``where``), or could not be searched
+        (``why``): the client gets none of it, and the audit log says so."""
+        scanner = self._scanner
+        if why is None:
+            form = scanner.found if scanner is not None else None
+            token = self._route.keeper.token()
+            what = "the token" if token is not None and form == token.encode() else "an encoding of the token"
+            why = f"{where} carried {what}; it was withheld from the client and the connection cut"
+        method, target = (exchange.method, exchange.target) if exchange is not None else (b"-", b"-")
+        self._pool.record("withheld", self._host, method, target, why, None)
+        self._exchange = None
+        self._dropUpstream()
+        if startedBefore:
+            self._close(abort=True)
+        else:
+            self._sendError(502, f"the sandbox's proxy withheld a response of {self._host}: {why}", False)
 
     def _responseHead(self, started: Started, exchange: _Exchange) -> bytes:
         """The head the client gets for a response head the upstream's framer read."""
@@ -905,6 +1085,7 @@ class _Upstream(Protocol):
 
 _REASONS = {
     400: b"Bad Request",
+    403: b"Forbidden",
     405: b"Method Not Allowed",
     413: b"Payload Too Large",
     431: b"Request Header Fields Too Large",

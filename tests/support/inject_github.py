@@ -14,6 +14,12 @@ Routes:
 - ``GET /download?n=N``: N bytes, produced as the client reads.
 - ``/o/NAME.git/...``: git's smart HTTP (``git http-backend``), Basic
   ``x-access-token:T`` required, so clone and push show the injected header.
+- ``GET /leak/WHAT``: a careless origin echoing the credential it was sent
+  back: ``header`` (in a response header), ``chunked`` (the token split
+  across chunks, each written in a reactor turn of its own so each is a TLS
+  record of its own), ``base64`` (``base64("x-access-token:" + T)`` inside a
+  JSON body, split the same way), ``length`` (a Content-Length body with the
+  token split across records), ``none`` (the same body shapes, no token).
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class FakeGitHub:
         root.putChild(b"upload", _Upload(self))
         root.putChild(b"download", _Download(self))
         root.putChild(b"o", _Git(self))
+        root.putChild(b"leak", _Leak(self))
         site = server.Site(root)
         site.displayTracebacks = False
         site.noisy = False
@@ -156,6 +163,45 @@ class _Download(_Route):
         size = int(request.args.get(b"n", [b"0"])[0])
         request.setHeader(b"content-length", str(size).encode())
         _Producer(request, size).start()
+        return server.NOT_DONE_YET
+
+
+class _Leak(_Route):
+    """Echoes the token back, as a careless origin might (see the module)."""
+
+    def render(self, request: server.Request) -> Any:
+        import base64
+
+        from twisted.internet import reactor
+
+        self.fake.record(request, b"")
+        assert request.postpath is not None
+        what = request.postpath[0].decode() if request.postpath else ""
+        token = self.fake.token
+        if what == "header":
+            request.setHeader(b"x-echo", f"you sent token {token}".encode())
+            return b"ok\n"
+        if what in ("chunked", "length", "none"):
+            secret = b"" if what == "none" else token.encode()
+            pieces = [b'{"debug": "auth was token ' + secret[:7], secret[7:20], secret[20:] + b'", "x": 1}\n']
+        elif what == "base64":
+            encoded = base64.b64encode(f"x-access-token:{token}".encode())
+            pieces = [b'{"echo": "Basic ' + encoded[:21], encoded[21:33], encoded[33:] + b'"}\n']
+        else:
+            request.setResponseCode(404)
+            return b""
+        if what == "length":
+            request.setHeader(b"content-length", str(sum(map(len, pieces))).encode())
+
+        def writeNext() -> None:
+            request.write(pieces.pop(0))
+            if pieces:
+                reactor.callLater(0.01, writeNext)  # type: ignore[attr-defined]
+            else:
+                request.finish()
+
+        request.write(b"")
+        writeNext()
         return server.NOT_DONE_YET
 
 

@@ -1,0 +1,145 @@
+"""Request rules on terminated hosts: which requests an injected credential may carry.
+
+Sans-IO and stdlib only: ``RequestPolicy.decide(method, target)`` takes the
+method and the origin-form target the origin will see (after the strict
+grammar, ``http11.py``, and the tunnel's absolute-form rewrite) and says
+which rule lets it through or refuses it.
+
+The target is never normalised.  On a host with rules, a target whose meaning
+an origin might read differently from this matcher is refused outright:
+
+- dot segments (``/./``, ``/../``, a trailing ``/.`` or ``/..``);
+- an empty segment (``//``), a backslash, a fragment (``#``), a ``;`` (path
+  parameters, which some servers strip before routing);
+- a percent-encoded ``.``, ``/``, ``\\`` or unreserved character (``%2e``,
+  ``%2F``, ``%5c``, ``%67``): an origin that decodes before routing would see
+  another path than the one matched (``/gist%73`` is ``/gists``), and RFC 3986
+  says these are never to be encoded;
+- a ``%`` not followed by two hex digits.
+
+Matching is ASCII case-insensitive (origins such as GitHub route
+``/REPOS/Owner/Name`` as ``/repos/owner/name``, so a refusal must not be
+dodged by capitals); one trailing ``/`` is ignored (``/gists/`` is ``/gists``);
+the query string is not part of the path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from agentsandbox.config import ALLOW, REFUSE, InjectRule, RequestRule
+
+#: Headers that ask an origin to take the request as another method; a request
+#: carrying one is refused on a host with rules (the rules match the method sent).
+METHOD_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override"})
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+#: Any byte that makes a target ambiguous, found in one pass; the ``%`` hits are looked at one by one.
+_SUSPECT = re.compile(rb"[\\#;%]|//|/\.\.?(?:/|$)")
+
+
+def ambiguity(path: bytes) -> str | None:
+    """Why ``path`` (a target's path, without the query) is ambiguous, or None."""
+    for m in _SUSPECT.finditer(path):
+        found = m.group()
+        if found == b"%":
+            at = m.start()
+            pair = path[at + 1 : at + 3]
+            if len(pair) != 2 or pair[0] not in _HEX or pair[1] not in _HEX:
+                return "a '%' not followed by two hex digits"
+            byte = int(pair, 16)
+            if byte in _UNRESERVED or byte in (0x2F, 0x5C):
+                return f"a percent-encoded {chr(byte)!r} ({pair.decode('ascii')}), which an origin may decode before routing"
+            continue
+        if found == b"\\":
+            return "a backslash"
+        if found == b"#":
+            return "a fragment ('#')"
+        if found == b";":
+            return "a ';' (path parameters)"
+        if found == b"//":
+            return "an empty segment ('//')"
+        return "a dot segment ('.' or '..')"
+    return None
+
+
+def compilePattern(pattern: str) -> re.Pattern[bytes]:
+    """A path pattern as a regular expression over the request's path (case-insensitive)."""
+    out: list[str] = []
+    for segment in pattern.split("/")[1:]:
+        if segment == "**":
+            out.append("(?:/[^/]*)*")
+        else:
+            out.append("/" + "[^/]*".join(re.escape(part) for part in segment.split("*")))
+    body = "".join(out)
+    return re.compile(body.encode("ascii"), re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A request's fate: ``allowed``, the rule that decided (None: ``unmatched``) and why."""
+
+    allowed: bool
+    rule: RequestRule | None
+    text: str  # for a refusal: the 403's text; names the rule and the key
+
+
+class RequestPolicy:
+    """The request rules of one inject rule, for one of its hosts."""
+
+    __slots__ = ("_compiled", "_host", "_rule")
+
+    def __init__(self, rule: InjectRule, host: str) -> None:
+        self._rule = rule
+        self._host = host
+        self._compiled = [
+            (r, compilePattern(r.path), frozenset(m.encode("ascii") for m in r.methods))
+            for r in rule.requests
+            if r.host in (None, host)
+        ]
+
+    def decide(self, method: bytes, target: bytes, overridden: bool = False) -> Decision:
+        """Which rule lets ``method target`` through or refuses it (first match wins)."""
+        path = target.split(b"?", 1)[0]
+        shown = f"{method.decode('ascii')} {path.decode('ascii', 'replace')}"
+        why = ambiguity(path)
+        key = self._rule.key
+        if why is not None:
+            return Decision(
+                False,
+                None,
+                f"{shown} to {self._host} is refused: its target holds {why}, which {key}.requests "
+                "cannot match unambiguously (send the plain path)",
+            )
+        if overridden:
+            return Decision(
+                False,
+                None,
+                f"{shown} to {self._host} is refused: it asks for another method (X-HTTP-Method-Override), "
+                f"which {key}.requests cannot match",
+            )
+        if len(path) > 1 and path[-1:] == b"/":
+            path = path[:-1]
+        for rule, regex, methods in self._compiled:
+            if methods and method not in methods:
+                continue
+            if regex.fullmatch(path) is None:
+                continue
+            if rule.action == ALLOW:
+                return Decision(True, rule, "")
+            return Decision(
+                False,
+                rule,
+                f"{shown} to {self._host} is refused by {rule.key} ({rule.describe()}); "
+                f"an allow rule before it in {key}.requests would let it through",
+            )
+        if self._rule.unmatched == REFUSE:
+            return Decision(
+                False,
+                None,
+                f"{shown} to {self._host} matches no rule of {key}.requests and {key}.unmatched "
+                f"is \"refuse\"; add an allow rule for it to {key}.requests",
+            )
+        return Decision(True, None, "")
