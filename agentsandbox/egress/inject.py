@@ -147,7 +147,9 @@ class Route:
         self.headerPrefix = self.headerName + b": "
         self.hostLine = b"host: " + self.host.encode("ascii") + b"\r\n"
         self.policy = RequestPolicy(self.rule, self.host) if self.rule.decides else None
-        self.notForwarded = _NOT_FORWARDED_SCANNED if self.scan else _NOT_FORWARDED
+        notForwarded = _NOT_FORWARDED_SCANNED if self.scan else _NOT_FORWARDED
+        # With rules, a method-override header is found in the one pass over the fields.
+        self.notForwarded = notForwarded | METHOD_OVERRIDES if self.policy is not None else notForwarded
 
     def leakForms(self) -> tuple[bytes, ...]:
         """The forms of the current token a response must not carry (none without a token)."""
@@ -560,19 +562,13 @@ class _Tunnel(Protocol):
                 )
             target = origin
         route = self._route
-        policy = route.policy
-        if policy is not None:
-            decision = policy.decide(method, target, any(n in METHOD_OVERRIDES for n, _ in head.fields))
-            if not decision.allowed:
-                rule = decision.rule.key if decision.rule is not None else route.rule.key + ".unmatched"
-                self._pool.record("refused", self._host, method, target, decision.text, rule)
-                raise Refused(403, decision.text)
         own = route.headerName
         lines = [method, b" ", target, b" HTTP/1.1\r\n", route.hostLine]
         hosts = 0
         connection = False
         upgrade = None
         notForwarded = route.notForwarded
+        overridden = False
         for name, value in head.fields:
             if name in notForwarded or (name[0] == 0x70 and name[:6] == b"proxy-"):
                 if name == b"host":
@@ -581,11 +577,20 @@ class _Tunnel(Protocol):
                     connection = True
                 elif name == b"upgrade":
                     upgrade = value
+                elif name in METHOD_OVERRIDES:
+                    overridden = True
                 continue
             if name != own:
                 lines += (name, b": ", value, b"\r\n")
         if hosts != 1:
             raise Refused(400, ONE_HOST)
+        policy = route.policy
+        if policy is not None:
+            decision = policy.decide(method, target, overridden)
+            if not decision.allowed:
+                rule = decision.rule.key if decision.rule is not None else route.rule.key + ".unmatched"
+                self._pool.record("refused", self._host, method, target, decision.text, rule)
+                raise Refused(403, decision.text)
         upgrading = None
         if connection:
             named = head.connection

@@ -42,6 +42,8 @@ _SUSPECT = re.compile(rb"[\\#;%]|//|/\.\.?(?:/|$)")
 
 def ambiguity(path: bytes) -> str | None:
     """Why ``path`` (a target's path, without the query) is ambiguous, or None."""
+    if _SUSPECT.search(path) is None:  # (the common case: one C call)
+        return None
     for m in _SUSPECT.finditer(path):
         found = m.group()
         if found == b"%":
@@ -89,22 +91,55 @@ class Decision:
 class RequestPolicy:
     """The request rules of one inject rule, for one of its hosts."""
 
-    __slots__ = ("_compiled", "_host", "_rule")
+    __slots__ = ("_anyMethod", "_byMethod", "_host", "_rule")
 
     def __init__(self, rule: InjectRule, host: str) -> None:
         self._rule = rule
         self._host = host
-        self._compiled = [
+        compiled = [
             (r, compilePattern(r.path), frozenset(m.encode("ascii") for m in r.methods))
             for r in rule.requests
             if r.host in (None, host)
         ]
+        # Per method named anywhere, the rules that can match it, in order;
+        # any other method meets only the rules that name none.
+        named = {m for _, _, methods in compiled for m in methods}
+        self._byMethod = {
+            m: tuple((r, regex) for r, regex, methods in compiled if not methods or m in methods) for m in named
+        }
+        self._anyMethod = tuple((r, regex) for r, regex, methods in compiled if not methods)
 
     def decide(self, method: bytes, target: bytes, overridden: bool = False) -> Decision:
         """Which rule lets ``method target`` through or refuses it (first match wins)."""
         path = target.split(b"?", 1)[0]
-        shown = f"{method.decode('ascii')} {path.decode('ascii', 'replace')}"
         why = ambiguity(path)
+        if why is not None or overridden:
+            return self._ambiguous(method, path, why)
+        if len(path) > 1 and path[-1:] == b"/":
+            path = path[:-1]
+        for rule, regex in self._byMethod.get(method, self._anyMethod):
+            if regex.fullmatch(path) is None:
+                continue
+            if rule.action == ALLOW:
+                return Decision(True, rule, "")
+            return Decision(
+                False,
+                rule,
+                f"{_shown(method, path)} to {self._host} is refused by {rule.key} ({rule.describe()}); "
+                f"an allow rule before it in {self._rule.key}.requests would let it through",
+            )
+        if self._rule.unmatched == REFUSE:
+            key = self._rule.key
+            return Decision(
+                False,
+                None,
+                f"{_shown(method, path)} to {self._host} matches no rule of {key}.requests and {key}.unmatched "
+                f"is \"refuse\"; add an allow rule for it to {key}.requests",
+            )
+        return _ALLOWED
+
+    def _ambiguous(self, method: bytes, path: bytes, why: str | None) -> Decision:
+        shown = _shown(method, path)
         key = self._rule.key
         if why is not None:
             return Decision(
@@ -113,33 +148,16 @@ class RequestPolicy:
                 f"{shown} to {self._host} is refused: its target holds {why}, which {key}.requests "
                 "cannot match unambiguously (send the plain path)",
             )
-        if overridden:
-            return Decision(
-                False,
-                None,
-                f"{shown} to {self._host} is refused: it asks for another method (X-HTTP-Method-Override), "
-                f"which {key}.requests cannot match",
-            )
-        if len(path) > 1 and path[-1:] == b"/":
-            path = path[:-1]
-        for rule, regex, methods in self._compiled:
-            if methods and method not in methods:
-                continue
-            if regex.fullmatch(path) is None:
-                continue
-            if rule.action == ALLOW:
-                return Decision(True, rule, "")
-            return Decision(
-                False,
-                rule,
-                f"{shown} to {self._host} is refused by {rule.key} ({rule.describe()}); "
-                f"an allow rule before it in {key}.requests would let it through",
-            )
-        if self._rule.unmatched == REFUSE:
-            return Decision(
-                False,
-                None,
-                f"{shown} to {self._host} matches no rule of {key}.requests and {key}.unmatched "
-                f"is \"refuse\"; add an allow rule for it to {key}.requests",
-            )
-        return Decision(True, None, "")
+        return Decision(
+            False,
+            None,
+            f"{shown} to {self._host} is refused: it asks for another method (X-HTTP-Method-Override), "
+            f"which {key}.requests cannot match",
+        )
+
+
+def _shown(method: bytes, path: bytes) -> str:
+    return f"{method.decode('ascii')} {path.decode('ascii', 'replace')}"
+
+
+_ALLOWED = Decision(True, None, "")

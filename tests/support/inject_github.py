@@ -196,7 +196,7 @@ class _Leak(_Route):
         def writeNext() -> None:
             request.write(pieces.pop(0))
             if pieces:
-                reactor.callLater(0.01, writeNext)  # type: ignore[attr-defined]
+                reactor.callLater(0.01, writeNext)  # type: ignore[attr-defined,unused-ignore]
             else:
                 request.finish()
 
