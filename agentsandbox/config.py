@@ -220,11 +220,16 @@ class InjectRule:
     requests: tuple[RequestRule, ...] = ()
     unmatched: str = ALLOW
     key: str = ""
+    #: ``github.repos``: the repositories the built-in GitHub rule's token may
+    #: reach (``owner/name``, ``owner/*``); None: no scope (``egress/github.py``).
+    repos: tuple[str, ...] | None = None
+    #: ``github.mutations``: the GraphQL mutations allowed while ``repos`` is set.
+    mutations: tuple[str, ...] = ()
 
     @property
     def decides(self) -> bool:
-        """Whether requests are matched at all (a rule, or ``unmatched = "refuse"``)."""
-        return bool(self.requests) or self.unmatched != ALLOW
+        """Whether requests are matched at all (a rule, ``unmatched = "refuse"``, a scope)."""
+        return bool(self.requests) or self.unmatched != ALLOW or self.repos is not None
 
     def render(self, token: str) -> str:
         import base64
@@ -358,10 +363,15 @@ class Config:
 
 
 def githubRules(
-    token: TokenSource | None = None, requests: tuple[RequestRule, ...] = (), unmatched: str = ALLOW
+    token: TokenSource | None = None,
+    requests: tuple[RequestRule, ...] = (),
+    unmatched: str = ALLOW,
+    repos: tuple[str, ...] | None = None,
+    mutations: tuple[str, ...] = (),
 ) -> tuple[InjectRule, ...]:
     """The built-in rule: one ``gh auth token`` for GitHub's three hosts, with
-    ``[github]``'s request rules (``requests``, ``unmatched``)."""
+    ``[github]``'s request rules (``requests``, ``unmatched``) and scope
+    (``repos``, ``mutations``)."""
     source = token or CommandSource(command=("gh", "auth", "token"))
     return (
         InjectRule(
@@ -373,6 +383,8 @@ def githubRules(
             requests=tuple(r for r in requests if r.host in (None, "github.com")),
             unmatched=unmatched,
             key="github",
+            repos=repos,
+            mutations=mutations,
         ),
         InjectRule(
             hosts=("api.github.com", "uploads.github.com"),
@@ -382,6 +394,8 @@ def githubRules(
             requests=tuple(r for r in requests if r.host != "github.com"),
             unmatched=unmatched,
             key="github",
+            repos=repos,
+            mutations=mutations,
         ),
     )
 
@@ -892,8 +906,12 @@ def _parseRequests(t: _Table, hosts: tuple[str, ...]) -> tuple[tuple[RequestRule
     return tuple(rules), unmatched
 
 
-def _parseGithub(root: _Table) -> tuple[tuple[RequestRule, ...], str] | None:
-    """``[github]``: request rules for the built-in GitHub rule; None when absent."""
+_REPO = re.compile(r"[A-Za-z0-9-]+/(\*|[A-Za-z0-9._-]+)")
+_GRAPHQL_NAME = re.compile(r"[_A-Za-z][_0-9A-Za-z]*")
+
+
+def _parseGithub(root: _Table) -> tuple[InjectRule, ...] | None:
+    """``[github]``: request rules and scope for the built-in GitHub rule; None when absent."""
     root.seen.add("github")
     if "github" not in root.data:
         return None
@@ -904,16 +922,26 @@ def _parseGithub(root: _Table) -> tuple[tuple[RequestRule, ...], str] | None:
             "[github] shapes the built-in GitHub rule, which [[inject]] tables replace; "
             "put these requests in the [[inject]] rule for GitHub's hosts",
         )
-    parsed = _parseRequests(t, GITHUB_HOSTS)
+    requests, unmatched = _parseRequests(t, GITHUB_HOSTS)
+    repos: tuple[str, ...] | None = t.strings("repos", ()) if "repos" in t.data else None
+    for i, repo in enumerate(repos or ()):
+        if not _REPO.fullmatch(repo) or repo.split("/")[1] in (".", ".."):
+            raise t.error(f"repos[{i}]", f"{repo!r} is not OWNER/NAME or OWNER/*")
+    mutations = t.strings("mutations", ())
+    for i, name in enumerate(mutations):
+        if not _GRAPHQL_NAME.fullmatch(name):
+            raise t.error(f"mutations[{i}]", f"{name!r} is not a GraphQL mutation name (createPullRequest, addComment, …)")
+    if mutations and repos is None:
+        raise t.error("mutations", "mutations are allowed by name only while github.repos is set (without it, all are)")
     t.finish()
-    return parsed
+    return githubRules(requests=requests, unmatched=unmatched, repos=repos, mutations=mutations)
 
 
 def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...]:
     root.seen.add("inject")
     github = _parseGithub(root)
     if "inject" not in root.data:
-        return githubRules() if github is None else githubRules(requests=github[0], unmatched=github[1])
+        return githubRules() if github is None else github
     value = root.data["inject"]
     if not isinstance(value, list):
         raise root.error("inject", "must be an array of tables ([[inject]])")

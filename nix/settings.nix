@@ -134,6 +134,11 @@ let
         Request rules for the built-in GitHub rule (`[[github.requests]]`); only without `inject`.
       '';
       unmatched = opt action "What a GitHub request no rule matches gets. Unset: `allow`.";
+      repos = opt (types.listOf (types.strMatching "[A-Za-z0-9-]+/([*]|[A-Za-z0-9._-]+)")) ''
+        The repositories (`owner/name`, `owner/*`) the GitHub token may reach; set, it also refuses
+        gists, user-level writes and unlisted GraphQL mutations (docs/injection.md).
+      '';
+      mutations = opt (types.listOf (types.strMatching "[_A-Za-z][_0-9A-Za-z]*")) "GraphQL mutations allowed while `repos` is set.";
     };
     broker = {
       spool = opt pathStr "The spool sessions reach the broker through. Unset: `~/.local/state/agentsandbox/spool`.";

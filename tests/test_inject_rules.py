@@ -18,7 +18,7 @@ from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
 from agentsandbox.config import ConfigError, RequestRule, githubRules, parse
-from agentsandbox.egress.inject import Route
+from agentsandbox.egress.inject import Route, _unchunk
 from agentsandbox.egress.leakscan import LeakScanner, tokenForms
 from agentsandbox.egress.reqrules import RequestPolicy, ambiguity
 from agentsandbox.egress.testing import FixedToken, MemoryUpstreamPool, memoryTunnel
@@ -146,7 +146,11 @@ def test_githubTableShapesTheBuiltInRule() -> None:
          "inject[0].unmatched: 'deny' is not \"allow\" or \"refuse\""),
         ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[github]\nunmatched = "refuse"\n',
          "github.requests: [github] shapes the built-in GitHub rule, which [[inject]] tables replace"),
-        ('[github]\nrepos = 1\n', "github.repos: unknown key"),
+        ('[github]\nrepos = 1\n', "github.repos: must be a list of strings, not an integer"),
+        ('[github]\nrepos = ["octocat"]\n', "github.repos[0]: 'octocat' is not OWNER/NAME or OWNER/*"),
+        ('[github]\nrepos = ["o/*/x"]\n', "github.repos[0]: 'o/*/x' is not OWNER/NAME or OWNER/*"),
+        ('[github]\nrepos = ["o/r"]\nmutations = ["add-star"]\n', "github.mutations[0]: 'add-star' is not a GraphQL mutation name"),
+        ('[github]\nmutations = ["addStar"]\n', "github.mutations: mutations are allowed by name only while github.repos is set"),
     ],
 )
 def test_badRulesNameFileAndKey(text: str, error: str) -> None:
@@ -331,3 +335,95 @@ class TokenNeverComesBack(_Base):
         self.assertTrue(out.endswith(b'{"debug": "auth was token ", "x": 1}\n'), out)
         self.assertEqual(self.audit, [])
         self.assertEqual(self.h.fake.seen[-1].headers.get("accept-encoding"), ["identity"])
+
+
+# ---------------------------------------------------------------------- GitHub scopes, sans-IO
+
+
+def _scope(host: str) -> RequestPolicy:
+    rule = githubRules(repos=("o/repo", "team/*"), mutations=("addStar",))
+    return RequestPolicy(rule[0] if host == "github.com" else rule[1], host)
+
+
+@pytest.mark.parametrize(
+    ("host", "method", "target", "allowed", "key"),
+    [
+        ("github.com", b"GET", b"/o/repo.git/info/refs?service=git-upload-pack", True, ""),
+        ("github.com", b"POST", b"/O/Repo/git-receive-pack", True, ""),
+        ("github.com", b"POST", b"/team/anything.git/git-receive-pack", True, ""),
+        ("github.com", b"GET", b"/other/x.git/info/refs", False, "github.repos"),
+        ("github.com", b"POST", b"/o/repo2.git/git-upload-pack", False, "github.repos"),
+        ("github.com", b"GET", b"/login", True, ""),
+        ("github.com", b"POST", b"/session", False, "github.requests"),
+        ("api.github.com", b"GET", b"/repos/o/repo/pulls", True, ""),
+        ("api.github.com", b"DELETE", b"/repos/o/repo/git/refs/heads/x", True, ""),
+        ("api.github.com", b"GET", b"/repos/other/x", False, "github.repos"),
+        ("api.github.com", b"GET", b"/repositories/123", False, "github.requests"),
+        ("api.github.com", b"POST", b"/gists", False, "github.requests"),
+        ("api.github.com", b"GET", b"/gists/1", True, ""),
+        ("api.github.com", b"PUT", b"/gists/1/star", False, "github.requests"),
+        ("api.github.com", b"POST", b"/user/repos", False, "github.requests"),
+        ("api.github.com", b"POST", b"/orgs/team/repos", False, "github.requests"),
+        ("api.github.com", b"GET", b"/search/code?q=x", True, ""),
+        ("uploads.github.com", b"POST", b"/repos/o/repo/releases/1/assets?name=a", True, ""),
+        ("uploads.github.com", b"POST", b"/repos/other/x/releases/1/assets", False, "github.repos"),
+    ],
+)
+def test_githubEndpointsAreClassified(host: str, method: bytes, target: bytes, allowed: bool, key: str) -> None:
+    decision = _scope(host).decide(method, target)
+    assert (decision.allowed, decision.key) == (allowed, key), decision.text
+
+
+@pytest.mark.parametrize(
+    ("body", "allowed", "why"),
+    [
+        (b'{"query": "query { viewer { login } }"}', True, ""),
+        (b'{"query": "{ repository(owner: \\"o\\", name: \\"repo\\") { id } }"}', True, ""),
+        (b'{"query": "query($o: String!, $n: String!) { repository(owner: $o, name: $n) { id } }",'
+         b' "variables": {"o": "team", "n": "x"}}', True, ""),
+        (b'{"query": "query($o: String!) { repository(owner: $o, name: \\"x\\") { id } }", "variables": {"o": "other"}}',
+         False, "names the repository other/x"),
+        (b'{"query": "query($o: String!) { repository(owner: $o, name: \\"x\\") { id } }"}', False, "cannot be read"),
+        (b'{"query": "mutation { addStar(input: {starrableId: \\"R\\"}) { clientMutationId } }"}', True, ""),
+        (b'{"query": "mutation { s: addStar(input: {}) { x } d: deleteRepository(input: {}) { x } }"}',
+         False, "the GraphQL mutation deleteRepository is not listed"),
+        (b'{"query": "mutation { ...F } fragment F on Mutation { deleteRepository(input: {}) { x } }"}',
+         False, "a fragment at an operation's root"),
+        (b'{"query": "# mutation\\nmutation M { createGist(input: {}) { x } }"}', False, "createGist is not listed"),
+        (b'{"query": "subscription { x }"}', False, "subscription"),
+        (b'[{"query": "query { viewer { login } }"}]', False, "a batch is refused"),
+        (b'not json', False, "not JSON"),
+    ],
+)
+def test_graphqlBodiesAreDecided(body: bytes, allowed: bool, why: str) -> None:
+    policy = _scope("api.github.com")
+    assert policy.decide(b"POST", b"/graphql").needsBody
+    decision = policy.decideBody(b"POST", b"/graphql", body)
+    assert decision.allowed == allowed, decision.text
+    assert why in decision.text
+
+
+def test_aChunkedGraphqlBodyIsHeldReadAndThenForwarded() -> None:
+    rule = githubRules(repos=("o/repo",), mutations=("addStar",))[1]
+    body = b'{"query": "mutation { addStar(input: {}) { x } }"}'
+    chunked = b"%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10, body[10:])
+    head = b"POST /graphql HTTP/1.1\r\nHost: api.github.com\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pool = MemoryUpstreamPool()
+    tunnel, _client = memoryTunnel(pool, Route("api.github.com", rule, FixedToken(TOKEN)), (documentationAddress(1),))
+    tunnel.dataReceived(head + chunked[:20])
+    assert pool.upstreams == []  # held until the body is whole
+    tunnel.dataReceived(chunked[20:])
+    [upstream] = pool.upstreams
+    sent: bytes = upstream.transport.value()  # type: ignore[union-attr]
+    assert sent.startswith(b"POST /graphql HTTP/1.1\r\n")
+    assert _unchunk(sent.split(b"\r\n\r\n", 1)[1]) == body
+
+    pool = MemoryUpstreamPool()
+    tunnel, client = memoryTunnel(pool, Route("api.github.com", rule, FixedToken(TOKEN)), (documentationAddress(1),))
+    refused = chunked.replace(b"addStar", b"delStar")
+    tunnel.dataReceived(head.replace(b"\r\n\r\n", b"\r\nAccept: application/json\r\n\r\n") + refused)
+    assert pool.upstreams == []
+    answer = client.value()
+    assert answer.startswith(b"HTTP/1.1 403 ") and b"content-type: application/json" in answer
+    assert b'"message": "POST /graphql to api.github.com is refused: the GraphQL mutation delStar' in answer
+    assert [r[5] for r in pool.records] == ["github.mutations"]

@@ -447,7 +447,8 @@ def test_nixos_request_rules_are_typed_keys() -> None:
     rule = {"action": "refuse", "methods": ["POST"], "path": "/gists"}
     for settings in (
         {"inject": [{"hosts": ["api.example.com"], "token_env": "T", "unmatched": "refuse", "requests": [rule]}]},
-        {"github": {"unmatched": "allow", "requests": [dict(rule, host="api.github.com")]}, "audit": {"queries": True}},
+        {"github": {"unmatched": "allow", "requests": [dict(rule, host="api.github.com")], "repos": ["o/r", "team/*"],
+                    "mutations": ["addStar"]}, "audit": {"queries": True}},
     ):
         result = nixos({"settings": settings})
         assert result["warnings"] == [] and result["failedAssertions"] == [], result

@@ -60,6 +60,7 @@ Nothing here logs a header, a body or a token.
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from zope.interface import Attribute, Interface, implementer
 
 from agentsandbox.config import InjectRule
 from agentsandbox.egress.dial import dialInTurn
+from agentsandbox.egress.github import MAX_GRAPHQL_BODY
 from agentsandbox.egress.grant import RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     CHUNKED,
@@ -434,6 +436,11 @@ class _Exchange:
     closeAfter: bool  # the client's connection ends with this exchange
     target: bytes  # as sent upstream (origin form), for an audit record
     chunked: bool = False  # the response's body is chunked (the scanner re-frames it)
+    #: The request as it would go upstream, held until its body decides (GraphQL under
+    #: github.repos); None: forwarded as it comes.
+    held: list[bytes] | None = None
+    heldSize: int = 0
+    heldChunked: bool = False
     forwarded: bool = False  # some of the request went upstream (its head first)
     requestDone: bool = False
     responseStarted: bool = False  # the final response head went to the client
@@ -471,6 +478,8 @@ class _Tunnel(Protocol):
         self._timer: IDelayedCall | None = None
         #: Searches responses for the token's forms; None while not scanning.
         self._scanner: LeakScanner | None = None
+        #: The request being refused asked for JSON: the refusal is {"message": ...}.
+        self._jsonErrors = False
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
 
     # ------------------------------------------------------------------ connection
@@ -536,6 +545,8 @@ class _Tunnel(Protocol):
             exchange = self._exchange
             if not ended or exchange is None or self._closed:
                 break  # (or the dial failed at once, and the client was answered)
+            if exchange.held is not None and (not self._release(exchange) or self._closed):
+                break
             exchange.requestDone = True
             if not (exchange.responseDone and self._exchangeDone()):
                 break
@@ -585,11 +596,15 @@ class _Tunnel(Protocol):
         if hosts != 1:
             raise Refused(400, ONE_HOST)
         policy = route.policy
+        hold = False
         if policy is not None:
             decision = policy.decide(method, target, overridden)
-            if not decision.allowed:
-                rule = decision.rule.key if decision.rule is not None else route.rule.key + ".unmatched"
+            if decision.needsBody:
+                hold = True
+            elif not decision.allowed:
+                rule = decision.rule.key if decision.rule is not None else decision.key
                 self._pool.record("refused", self._host, method, target, decision.text, rule)
+                self._jsonErrors = any(b"json" in v for v in head.values(b"accept"))
                 raise Refused(403, decision.text)
         upgrading = None
         if connection:
@@ -620,6 +635,10 @@ class _Tunnel(Protocol):
         # (The upstream held is reusable here: _exchangeDone drops one that is
         # not, and fromUpstream one that refused bytes between exchanges.)
         self._exchange = _Exchange(method, upgrading, self._requests.closing, target)
+        if hold:
+            self._exchange.held = []
+            self._exchange.heldChunked = started.framing is CHUNKED
+            self._jsonErrors = any(b"json" in v for v in head.values(b"accept"))
         return b"".join(lines)
 
     def _originForm(self, target: bytes) -> bytes | None:
@@ -647,10 +666,16 @@ class _Tunnel(Protocol):
         if transport is None or self._closed:
             return
         if not responseStarted:
-            body = (text + "\n").encode("utf-8")
+            if self._jsonErrors:
+                # A JSON client shows an API's {"message": ...} (gh does; a text body it does not).
+                body = json.dumps({"message": text}).encode("ascii") + b"\n"
+                kind = b"application/json"
+            else:
+                body = (text + "\n").encode("utf-8")
+                kind = b"text/plain; charset=utf-8"
             transport.write(
-                b"HTTP/1.1 %d %b\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%b" % (status, _REASONS.get(status, b""), len(body), body)
+                b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%b" % (status, _REASONS.get(status, b""), kind, len(body), body)
             )
         self._close()
 
@@ -699,8 +724,33 @@ class _Tunnel(Protocol):
 
     # ------------------------------------------------------------------ to upstream
 
+    def _release(self, exchange: _Exchange) -> bool:
+        """A held request is whole: its body decides whether it goes upstream."""
+        held, exchange.held = exchange.held or [], None
+        data = b"".join(held)
+        body = data[data.index(b"\r\n\r\n") + 4 :]
+        if exchange.heldChunked:
+            body = _unchunk(body)
+        policy = self._route.policy
+        assert policy is not None
+        decision = policy.decideBody(exchange.method, exchange.target, body)
+        if not decision.allowed:
+            self._pool.record("refused", self._host, exchange.method, exchange.target, decision.text, decision.key)
+            self._refuse(403, decision.text)
+            return False
+        self._forward([data])
+        return True
+
     def _forward(self, out: list[bytes]) -> None:
         data = out[0] if len(out) == 1 else b"".join(out)
+        held = self._exchange.held if self._exchange is not None else None
+        if held is not None:
+            assert self._exchange is not None
+            held.append(data)
+            self._exchange.heldSize += len(data)
+            if self._exchange.heldSize > MAX_GRAPHQL_BODY:
+                self._refuse(413, f"a GraphQL request to {self._host} over {MAX_GRAPHQL_BODY} bytes cannot be checked against github.repos")
+            return
         if self._dialing:
             self._queued.append(data)
             return
@@ -1086,6 +1136,19 @@ class _Upstream(Protocol):
         waiters, self._lostWaiters = self._lostWaiters, []
         for d in waiters:
             d.callback(None)
+
+
+def _unchunk(framed: bytes) -> bytes:
+    """The data of a body this module re-framed (``%x\\r\\n DATA \\r\\n`` ... ``0\\r\\n\\r\\n``)."""
+    out: list[bytes] = []
+    at = 0
+    while True:
+        nl = framed.index(b"\r\n", at)
+        size = int(framed[at:nl], 16)
+        if not size:
+            return b"".join(out)
+        out.append(framed[nl + 2 : nl + 2 + size])
+        at = nl + 2 + size + 2
 
 
 _REASONS = {

@@ -28,7 +28,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agentsandbox.config import ALLOW, REFUSE, InjectRule, RequestRule
+from agentsandbox.config import ALLOW, GITHUB_HOSTS, REFUSE, InjectRule, RequestRule
+from agentsandbox.egress.github import GitHubScope
 
 #: Headers that ask an origin to take the request as another method; a request
 #: carrying one is refused on a host with rules (the rules match the method sent).
@@ -86,16 +87,23 @@ class Decision:
     allowed: bool
     rule: RequestRule | None
     text: str  # for a refusal: the 403's text; names the rule and the key
+    #: Not decided yet: the body (GraphQL's) decides, through ``decideBody``.
+    needsBody: bool = False
+    #: The key that decided, for the audit record.
+    key: str = ""
 
 
 class RequestPolicy:
     """The request rules of one inject rule, for one of its hosts."""
 
-    __slots__ = ("_anyMethod", "_byMethod", "_host", "_rule")
+    __slots__ = ("_anyMethod", "_byMethod", "_host", "_rule", "_scope")
 
     def __init__(self, rule: InjectRule, host: str) -> None:
         self._rule = rule
         self._host = host
+        self._scope = (
+            GitHubScope(host, rule.repos, rule.mutations) if rule.repos is not None and host in GITHUB_HOSTS else None
+        )
         compiled = [
             (r, compilePattern(r.path), frozenset(m.encode("ascii") for m in r.methods))
             for r in rule.requests
@@ -127,7 +135,16 @@ class RequestPolicy:
                 rule,
                 f"{_shown(method, path)} to {self._host} is refused by {rule.key} ({rule.describe()}); "
                 f"an allow rule before it in {self._rule.key}.requests would let it through",
+                key=rule.key,
             )
+        scope = self._scope
+        if scope is not None:
+            verdict = scope.decide(method, path)
+            if verdict.needsBody:
+                return Decision(False, None, "", needsBody=True)
+            if not verdict.allowed:
+                return self._outOfScope(method, path, verdict.why)
+            return _ALLOWED
         if self._rule.unmatched == REFUSE:
             key = self._rule.key
             return Decision(
@@ -135,8 +152,26 @@ class RequestPolicy:
                 None,
                 f"{_shown(method, path)} to {self._host} matches no rule of {key}.requests and {key}.unmatched "
                 f"is \"refuse\"; add an allow rule for it to {key}.requests",
+                key=key + ".unmatched",
             )
         return _ALLOWED
+
+    def decideBody(self, method: bytes, target: bytes, body: bytes) -> Decision:
+        """The decision on a request ``decide`` left to its body (GraphQL's)."""
+        assert self._scope is not None
+        verdict = self._scope.decideBody(body)
+        if verdict.allowed:
+            return _ALLOWED
+        return self._outOfScope(method, target.split(b"?", 1)[0], verdict.why)
+
+    def _outOfScope(self, method: bytes, path: bytes, why: str) -> Decision:
+        if "github.mutations" in why:
+            key, fix = "github.mutations", "list the mutation in github.mutations"
+        elif "github.repos does not list" in why:
+            key, fix = "github.repos", "list the repository in github.repos, or add an allow rule for it to github.requests"
+        else:
+            key, fix = "github.requests", "add an allow rule for it to github.requests"
+        return Decision(False, None, f"{_shown(method, path)} to {self._host} is refused: {why}; {fix}", key=key)
 
     def _ambiguous(self, method: bytes, path: bytes, why: str | None) -> Decision:
         shown = _shown(method, path)
@@ -147,12 +182,14 @@ class RequestPolicy:
                 None,
                 f"{shown} to {self._host} is refused: its target holds {why}, which {key}.requests "
                 "cannot match unambiguously (send the plain path)",
+                key=key + ".requests",
             )
         return Decision(
             False,
             None,
             f"{shown} to {self._host} is refused: it asks for another method (X-HTTP-Method-Override), "
             f"which {key}.requests cannot match",
+            key=key + ".requests",
         )
 
 
