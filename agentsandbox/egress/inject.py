@@ -86,6 +86,7 @@ from agentsandbox.egress.dial import dialInTurn
 from agentsandbox.egress.github import MAX_GRAPHQL_BODY
 from agentsandbox.egress.grant import RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
+    BY_LENGTH,
     CHUNKED,
     END,
     HOP_BY_HOP,
@@ -856,6 +857,23 @@ class _Tunnel(Protocol):
             elif isinstance(parts[-1], Refused):
                 self._dropUpstream()
             return
+        if len(parts) == 3 and parts[2] is END and parts[0].__class__ is Started and parts[1].__class__ is bytes:
+            # The usual keep-alive answer: a whole response in one read, searched in one pass.
+            started = parts[0]
+            if started.framing is BY_LENGTH and not started.informational and not scanner.holding:
+                head = self._responseHead(started, exchange)
+                data = head + parts[1]
+                if scanner.whole(data) or _encoded(started):
+                    exchange.responseStarted = False
+                    self._withhold(exchange, [started], data, head, False)
+                    return
+                self.transport.write(data)  # type: ignore[union-attr]
+                exchange.responseDone = True
+                if self._exchangeDone():
+                    parts = self._requests.next()
+                    if parts:
+                        self._take(parts)
+                return
         startedBefore = exchange.responseStarted
         out: list[bytes] = []
         ended = switched = False
@@ -885,25 +903,14 @@ class _Tunnel(Protocol):
                     if passed:
                         out.append(passed)
             elif part.__class__ is Started:
-                assert isinstance(part, Started)
-                head = self._responseHead(part, exchange)
-                if scanner.whole(head):
-                    self._leaked(exchange, "the response head", startedBefore)
+                started = part
+                head = self._responseHead(started, exchange)
+                if scanner.whole(head) or (not started.informational and _encoded(started)):
+                    self._withhold(exchange, [started], head, head, startedBefore)
                     return
                 scanner.end()
-                if not part.informational:
-                    encoding = part.head.values(b"content-encoding")
-                    if encoding and encoding != [b"identity"]:
-                        self._leaked(
-                            exchange,
-                            None,
-                            startedBefore,
-                            "the response is encoded (content-encoding: "
-                            + b", ".join(encoding).decode("ascii", "replace")
-                            + ") though identity was asked for, so it cannot be searched for the token",
-                        )
-                        return
-                    exchange.chunked = part.framing is CHUNKED
+                if not started.informational:
+                    exchange.chunked = started.framing is CHUNKED
                 out.append(head)
             elif part is END:
                 if not exchange.chunked:
@@ -923,6 +930,26 @@ class _Tunnel(Protocol):
                 parts = self._requests.next()
                 if parts:
                     self._take(parts)
+
+    def _withhold(
+        self, exchange: _Exchange, starts: list[Started], data: bytes, head: bytes, startedBefore: bool
+    ) -> None:
+        """A response head (and, in ``data``, maybe its body) that cannot go to the client."""
+        started = starts[0]
+        encoding = started.head.values(b"content-encoding")
+        if _encoded(started):
+            self._leaked(
+                exchange,
+                None,
+                startedBefore,
+                "the response is encoded (content-encoding: "
+                + b", ".join(encoding).decode("ascii", "replace")
+                + ") though identity was asked for, so it cannot be searched for the token",
+            )
+        else:
+            scanner = self._scanner
+            inHead = scanner is not None and scanner.whole(head)
+            self._leaked(exchange, "the response head" if inHead else "the response body", startedBefore)
 
     def _leaked(
         self, exchange: _Exchange | None, where: str | None, startedBefore: bool = True, why: str | None = None
@@ -1136,6 +1163,14 @@ class _Upstream(Protocol):
         waiters, self._lostWaiters = self._lostWaiters, []
         for d in waiters:
             d.callback(None)
+
+
+def _encoded(started: Started) -> bool:
+    """Whether a final response's body is content-coded (then it cannot be searched)."""
+    for name, value in started.head.fields:
+        if name == b"content-encoding" and value.strip().lower() != b"identity":
+            return True
+    return False
 
 
 def _unchunk(framed: bytes) -> bytes:

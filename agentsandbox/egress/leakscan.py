@@ -58,6 +58,11 @@ class LeakScanner:
         #: The form found, once one was (the scanner then passes nothing on).
         self.found: bytes | None = None
 
+    @property
+    def holding(self) -> bool:
+        """Whether a tail is held back (a message is under way)."""
+        return bool(self._held)
+
     def whole(self, data: bytes) -> bool:
         """Whether ``data`` (a complete piece, such as a head) holds a form."""
         for form in self.forms:

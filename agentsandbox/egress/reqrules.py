@@ -109,13 +109,16 @@ class RequestPolicy:
             for r in rule.requests
             if r.host in (None, host)
         ]
-        # Per method named anywhere, the rules that can match it, in order;
-        # any other method meets only the rules that name none.
+        # Per method named anywhere, the rules that can match it, in order, as
+        # one alternation (its first matching branch is the first matching
+        # rule, found in one call); any other method meets only the rules that
+        # name none.
         named = {m for _, _, methods in compiled for m in methods}
         self._byMethod = {
-            m: tuple((r, regex) for r, regex, methods in compiled if not methods or m in methods) for m in named
+            m: _alternation([(r, regex) for r, regex, methods in compiled if not methods or m in methods])
+            for m in named
         }
-        self._anyMethod = tuple((r, regex) for r, regex, methods in compiled if not methods)
+        self._anyMethod = _alternation([(r, regex) for r, regex, methods in compiled if not methods])
 
     def decide(self, method: bytes, target: bytes, overridden: bool = False) -> Decision:
         """Which rule lets ``method target`` through or refuses it (first match wins)."""
@@ -125,9 +128,10 @@ class RequestPolicy:
             return self._ambiguous(method, path, why)
         if len(path) > 1 and path[-1:] == b"/":
             path = path[:-1]
-        for rule, regex in self._byMethod.get(method, self._anyMethod):
-            if regex.fullmatch(path) is None:
-                continue
+        regex, rules = self._byMethod.get(method, self._anyMethod)
+        found = regex.fullmatch(path) if regex is not None else None
+        if found is not None:
+            rule = rules[found.lastgroup or ""]
             if rule.action == ALLOW:
                 return Decision(True, rule, "")
             return Decision(
@@ -191,6 +195,17 @@ class RequestPolicy:
             f"which {key}.requests cannot match",
             key=key + ".requests",
         )
+
+
+def _alternation(
+    rules: list[tuple[RequestRule, re.Pattern[bytes]]],
+) -> tuple[re.Pattern[bytes] | None, dict[str, RequestRule]]:
+    """One pattern matching what any of ``rules`` matches; its ``lastgroup`` names the first that does."""
+    if not rules:
+        return None, {}
+    names = {f"r{i}": rule for i, (rule, _) in enumerate(rules)}
+    body = b"|".join(b"(?P<r%d>%b)" % (i, regex.pattern) for i, (_, regex) in enumerate(rules))
+    return re.compile(body, re.IGNORECASE), names
 
 
 def _shown(method: bytes, path: bytes) -> str:
