@@ -46,6 +46,7 @@ FIELDS = (
     "method",
     "path",
     "rule",
+    "session",
 )
 
 
@@ -167,6 +168,12 @@ class AuditLog:
 
 def journalLine(rec: dict[str, Any]) -> str:
     """The short human line for one record (journal and ``agentsandbox log``)."""
+    line = _journalLine(rec)
+    session = rec.get("session")
+    return f"{line} [session {session}]" if session else line
+
+
+def _journalLine(rec: dict[str, Any]) -> str:
     ev = rec.get("event", "?")
     target = f"{rec.get('host', '')}:{rec.get('port', '')}" if "host" in rec else ""
     kind = rec.get("kind", "")
@@ -249,6 +256,7 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     parser.add_argument("--denied", action="store_true", help="only refusals")
     parser.add_argument("--since", help="only records newer than DURATION (30s, 10m, 2h, 7d)")
     parser.add_argument("--json", action="store_true", help="print the JSON records")
+    parser.add_argument("--session", help="only records of this session (Claude Code's session id, or run-…)")
     args = parser.parse_args(argv)
     try:
         since = now() - parseDuration(args.since) if args.since else None
@@ -258,6 +266,8 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
         if since is not None and rec["ts"] < since:
             continue
         if args.denied and rec.get("event") not in ("refused", "peer", "parse", "withheld"):
+            continue
+        if args.session is not None and rec.get("session") != args.session:
             continue
         if args.json:
             print(json.dumps(rec, sort_keys=True))

@@ -256,6 +256,8 @@ class ProxyConfig:
     #: by the dispatcher from the config it loads (the machine's); off, since a
     #: service of root's would be handed whatever the kernel reports as uid 0.
     dispatch_root: bool = False
+    #: Refuse requests that carry no registered session credential (egress/sessions.py).
+    require_session: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -827,6 +829,7 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         idle_timeout=_positive(t, "idle_timeout", float, 600.0),
         dispatch_socket=dispatch,
         dispatch_root=t.get("dispatch_root", bool, False),
+        require_session=t.get("require_session", bool, False),
     )
     t.finish()
     return proxy

@@ -90,7 +90,12 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
     proxyValues: dict[str, Any] = {}
     for field in fields(machine.proxy):
         name = field.name
-        if name in MACHINE_PROXY_KEYS:
+        if name == "require_session":
+            # The machine's, or stricter: a user may turn it on, never off.
+            proxyValues[name] = machine.proxy.require_session or (name in proxyGiven and user.proxy.require_session)
+            if name in proxyGiven and machine.proxy.require_session and not user.proxy.require_session:
+                refused("proxy.require_session", False)
+        elif name in MACHINE_PROXY_KEYS:
             if name in proxyGiven and getattr(user.proxy, name) != getattr(machine.proxy, name):
                 refused(f"proxy.{name}", getattr(user.proxy, name))
             proxyValues[name] = getattr(machine.proxy, name)

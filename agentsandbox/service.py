@@ -32,6 +32,7 @@ from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
+from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
@@ -45,8 +46,10 @@ STOP_GRACE = 2.0
 class CountingAudit:
     """The audit log, counting every decision on its way through for ``status``."""
 
-    def __init__(self, audit: AuditLog) -> None:
+    def __init__(self, audit: AuditLog, sessions: SessionRegistry | None = None) -> None:
         self.audit = audit
+        #: Which session each client address belongs to: every record of it says so.
+        self.sessions = sessions if sessions is not None else SessionRegistry()
         self.events: Counter[str] = Counter()
         self.bytesUp = 0
         self.bytesDown = 0
@@ -58,6 +61,9 @@ class CountingAudit:
             self.bytesUp += up
         if isinstance(down, int):
             self.bytesDown += down
+        session = self.sessions.of(fields.get("client"))
+        if session is not None:
+            fields["session"] = session
         return self.audit.record(event, **fields)
 
     def close(self) -> None:
@@ -135,7 +141,9 @@ class AgentSandbox(MultiService):
         self.reactor = reactor
         self.environ = dict(os.environ if environ is None else environ)
         self.holder = ConfigHolder(config)
-        self.audit = CountingAudit(AuditLog.fromConfig(config))
+        #: Per-session proxy credentials (their digests), registered through the broker.
+        self.sessions = SessionRegistry()
+        self.audit = CountingAudit(AuditLog.fromConfig(config), self.sessions)
         dialer = dialer if dialer is not None else tcpDialer(reactor)
         #: Why the proxy could not listen (None while it listens or has not tried).
         self.startFailure: str | None = None
@@ -185,6 +193,7 @@ class AgentSandbox(MultiService):
             terminator=self.injection.injector,
             audit=self.audit,  # type: ignore[arg-type]
         )
+        self.proxyFactory.sessions = self.sessions
         self.proxy = ProxyService(
             self.proxyFactory, dispatchSocket=locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
         )
@@ -199,6 +208,7 @@ class AgentSandbox(MultiService):
             stopGrace=STOP_GRACE,
             statusSources={"proxy": self.proxyFigures, "tokens": self.injection.tokenFigures,
                            "config": self.configFigures},
+            sessions=self.sessions,
         )
         self.broker.setServiceParent(self)
 

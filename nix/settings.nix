@@ -102,6 +102,11 @@ let
         The dispatcher's registration socket. Unset: `/run/agentsandbox/dispatch.sock`.
         `""` never registers (each service binds the port itself).
       '';
+      require_session = opt types.bool ''
+        Refuse requests that carry no session credential (the SessionStart hook's, or
+        `agentsandbox run`'s). Unset: false (requests without one are served, unattributed).
+        A user's file may turn it on, never off.
+      '';
       dispatch_root = opt types.bool ''
         Whether the dispatcher takes a registration of uid 0, so that root's own service
         serves root's sandboxes through the port. Unset: false (root's registration is

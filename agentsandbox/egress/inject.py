@@ -207,8 +207,11 @@ class IUpstreamPool(Interface):
     def injected() -> None:
         """Count one request sent upstream with the rule's header set."""
 
-    def record(event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None) -> None:
-        """One audit record of a terminated request (a refusal, a response withheld)."""
+    def record(
+        event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
+        """One audit record of a terminated request (a refusal, a response withheld);
+        ``client`` is the tunnel's client address, which names its session."""
 
     def acquire(host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         """A connected upstream to ``host``, pooled or dialled, at one of ``addresses``."""
@@ -302,7 +305,9 @@ class Injector:
     def injected(self) -> None:
         self.injectedRequests += 1
 
-    def record(self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None) -> None:
+    def record(
+        self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
         if self.audit is None:
             return
         self.audit(
@@ -314,6 +319,7 @@ class Injector:
             path=target.decode("ascii", "replace"),
             reason=reason,
             rule=rule,
+            client=client,
         )
 
     def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
@@ -477,6 +483,7 @@ class _Tunnel(Protocol):
         self._gone = False  # the client's connection is lost
         self._lastActivity = 0.0
         self._timer: IDelayedCall | None = None
+        self._client = "?"
         #: Searches responses for the token's forms; None while not scanning.
         self._scanner: LeakScanner | None = None
         #: The request being refused asked for JSON: the refusal is {"message": ...}.
@@ -487,6 +494,9 @@ class _Tunnel(Protocol):
 
     def connectionMade(self) -> None:
         self._reads.transport = self.transport
+        peer = self.transport.getPeer() if self.transport is not None else None
+        #: The client's address as the proxy's records write it (it names the session).
+        self._client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', 0)}"
         self._lastActivity = self._clock.seconds()
         self._timer = self._clock.callLater(self._pool.idleTimeout, self._checkIdle)
 
@@ -604,7 +614,7 @@ class _Tunnel(Protocol):
                 hold = True
             elif not decision.allowed:
                 rule = decision.rule.key if decision.rule is not None else decision.key
-                self._pool.record("refused", self._host, method, target, decision.text, rule)
+                self._pool.record("refused", self._host, method, target, decision.text, rule, self._client)
                 self._jsonErrors = any(b"json" in v for v in head.values(b"accept"))
                 raise Refused(403, decision.text)
         upgrading = None
@@ -736,7 +746,9 @@ class _Tunnel(Protocol):
         assert policy is not None
         decision = policy.decideBody(exchange.method, exchange.target, body)
         if not decision.allowed:
-            self._pool.record("refused", self._host, exchange.method, exchange.target, decision.text, decision.key)
+            self._pool.record(
+                "refused", self._host, exchange.method, exchange.target, decision.text, decision.key, self._client
+            )
             self._refuse(403, decision.text)
             return False
         self._forward([data])
@@ -963,7 +975,7 @@ class _Tunnel(Protocol):
             what = "the token" if token is not None and form == token.encode() else "an encoding of the token"
             why = f"{where} carried {what}; it was withheld from the client and the connection cut"
         method, target = (exchange.method, exchange.target) if exchange is not None else (b"-", b"-")
-        self._pool.record("withheld", self._host, method, target, why, None)
+        self._pool.record("withheld", self._host, method, target, why, None, self._client)
         self._exchange = None
         self._dropUpstream()
         if startedBefore:

@@ -264,7 +264,9 @@ class MemoryUpstreamPool:
     def injected(self) -> None:
         self.injectedRequests += 1
 
-    def record(self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None) -> None:
+    def record(
+        self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
         self.records.append((event, host, method, target, reason, rule))
 
     def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> Deferred[_Upstream]:
