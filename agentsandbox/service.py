@@ -284,6 +284,8 @@ class AgentSandbox(MultiService):
             "forwarded": events["forward"],
             "refused": events["refused"] + events["peer"] + events["parse"],
             "failed": events["failed"],
+            "withheld": events["withheld"],
+            "sessions": self.sessions.sessions,
             "bytesUp": self.audit.bytesUp + sum(t.up for t in open_),
             "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),
             "injectedRequests": self.injection.injectedRequests(),
