@@ -448,7 +448,7 @@ def test_nixos_request_rules_are_typed_keys() -> None:
     for settings in (
         {"inject": [{"hosts": ["api.example.com"], "token_env": "T", "unmatched": "refuse", "requests": [rule]}]},
         {"github": {"unmatched": "allow", "requests": [dict(rule, host="api.github.com")], "repos": ["o/r", "team/*"],
-                    "mutations": ["addStar"]}, "audit": {"queries": True}},
+                    "mutations": ["addStar"]}, "audit": {"queries": True}, "proxy": {"require_session": True}},
     ):
         result = nixos({"settings": settings})
         assert result["warnings"] == [] and result["failedAssertions"] == [], result
