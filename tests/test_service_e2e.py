@@ -587,6 +587,7 @@ def test_two_claude_sessions_at_once_are_attributed_apart(stack: Stack, label: s
         assert not run.timedOut and run.result is not None, run.describe()
         ids[name] = next(e["session_id"] for e in run.events if e.get("session_id"))
         text = run.outcomes[0].text
+        assert "SESSION=" in text, run.describe()
         print(f"\n{label} session {name}: what its sandboxed Bash sees\n{text[text.index('SESSION='):]}")
         assert f"SESSION={ids[name]}" in text, run.describe()
         assert "HTTPS_PROXY=http://agentsandbox:CRED@localhost:3128" in text, run.describe()
