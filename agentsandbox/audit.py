@@ -2,9 +2,12 @@
 
 Records carry only what a decision is made of: the event, the protocol, the
 client address, host, port, checked address, the reason, byte counts and
-duration.  Never a header, a request path, a body or a token: the proxy
-passes nothing else in, and ``record`` keeps only the fields named in
-``FIELDS`` so a later caller cannot widen it by accident.
+duration; a terminated request's record (a refusal by a request rule, a
+response withheld because it carried the token) also its method, its path
+(the query string only when ``audit.queries`` says so) and the rule that
+decided.  Never a header, a body or a token: the proxy passes nothing else
+in, and ``record`` keeps only the fields named in ``FIELDS`` so a later
+caller cannot widen it by accident.
 
 ``agentsandbox log`` and ``agentsandbox suggest`` read the file back.
 """
@@ -23,8 +26,9 @@ from typing import Any
 
 from twisted.logger import Logger
 
-#: Event names.  ``tunnel``/``forward``: allowed, written at close.
-EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed")
+#: Event names.  ``tunnel``/``forward``: allowed, written at close;
+#: ``withheld``: a terminated response that carried the token, cut.
+EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed", "withheld")
 #: The only fields a record may hold.
 FIELDS = (
     "kind",
@@ -39,6 +43,10 @@ FIELDS = (
     "up",
     "down",
     "duration",
+    "method",
+    "path",
+    "rule",
+    "session",
 )
 
 
@@ -86,19 +94,22 @@ class AuditLog:
         keep: int = 3,
         wallClock: Callable[[], float] = time.time,
         journal: bool = True,
+        queries: bool = False,
     ) -> None:
         self.path = path
         self.maxBytes = maxBytes
         self.keep = keep
         self._now = wallClock
         self._journal = journal
+        #: Whether a ``path`` keeps its query string (``audit.queries``); it may hold secrets.
+        self._queries = queries
         self._fd: int | None = None
         self._size = 0
 
     @classmethod
     def fromConfig(cls, config: Any, **kw: Any) -> AuditLog:
         a = config.audit
-        return cls(a.file, a.max_bytes, a.keep, **kw)
+        return cls(a.file, a.max_bytes, a.keep, queries=a.queries, **kw)
 
     def _open(self) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
@@ -125,6 +136,9 @@ class AuditLog:
             value = given(name)
             if value is not None:
                 rec[name] = value if type(value) in _SCALARS else str(value)
+        path = rec.get("path")
+        if path is not None and not self._queries:
+            rec["path"] = str(path).split("?", 1)[0]
         line = (_encode(rec) + "\n").encode("ascii")
         try:
             if self._fd is None:
@@ -154,6 +168,12 @@ class AuditLog:
 
 def journalLine(rec: dict[str, Any]) -> str:
     """The short human line for one record (journal and ``agentsandbox log``)."""
+    line = _journalLine(rec)
+    session = rec.get("session")
+    return f"{line} [session {session}]" if session else line
+
+
+def _journalLine(rec: dict[str, Any]) -> str:
     ev = rec.get("event", "?")
     target = f"{rec.get('host', '')}:{rec.get('port', '')}" if "host" in rec else ""
     kind = rec.get("kind", "")
@@ -165,6 +185,10 @@ def journalLine(rec: dict[str, Any]) -> str:
             f"egress: {kind} {target}{extra}{status} from {client}: "
             f"{rec.get('up', 0)} bytes up, {rec.get('down', 0)} down, {rec.get('duration', 0)}s"
         )
+    if ev == "refused" and "method" in rec:
+        return f"egress: refused {rec['method']} {rec.get('path', '')} to {target} ({rec.get('rule', '')}): {rec.get('reason', '')}"
+    if ev == "withheld":
+        return f"egress: withheld a response to {rec.get('method', '')} {rec.get('path', '')} from {target}: {rec.get('reason', '')}"
     if ev == "refused":
         return f"egress: refused {kind} {target} from {client}: {rec.get('reason', '')}"
     if ev == "peer":
@@ -232,6 +256,7 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     parser.add_argument("--denied", action="store_true", help="only refusals")
     parser.add_argument("--since", help="only records newer than DURATION (30s, 10m, 2h, 7d)")
     parser.add_argument("--json", action="store_true", help="print the JSON records")
+    parser.add_argument("--session", help="only records of this session (Claude Code's session id, or run-…)")
     args = parser.parse_args(argv)
     try:
         since = now() - parseDuration(args.since) if args.since else None
@@ -240,7 +265,9 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     for rec in readRecords(_auditPath("log", args)):
         if since is not None and rec["ts"] < since:
             continue
-        if args.denied and rec.get("event") not in ("refused", "peer", "parse"):
+        if args.denied and rec.get("event") not in ("refused", "peer", "parse", "withheld"):
+            continue
+        if args.session is not None and rec.get("session") != args.session:
             continue
         if args.json:
             print(json.dumps(rec, sort_keys=True))

@@ -41,8 +41,14 @@ def configMain(argv: list[str]) -> int:
     for rule in data["inject"]:
         print("\n[[inject]]")
         token = rule.pop("token")
+        print(f"# written as {rule.pop('key') or 'the built-in rule'}")
+        requests = rule.pop("requests")
+        if rule["repos"] is None:
+            del rule["repos"], rule["mutations"]  # no GitHub scope
         for key, value in rule.items():
             print(f"{key} = {json.dumps(value)}")
+        for i, request in enumerate(requests):
+            print(f"# requests[{i}]: {json.dumps(request, sort_keys=True)}")
         for key, value in token.items():
             print(f"# token {key} = {json.dumps(value)}")
     return 0

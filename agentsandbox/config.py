@@ -171,12 +171,45 @@ class EnvSource:
 TokenSource = CommandSource | FileSource | EnvSource
 
 
+#: What a request rule does with a request it matches (``action``), and what
+#: a rule's ``unmatched`` does with one no rule matches.
+ALLOW, REFUSE = "allow", "refuse"
+ACTIONS = (ALLOW, REFUSE)
+
+
+@dataclass(frozen=True)
+class RequestRule:
+    """One ``[[inject.requests]]`` (or ``[[github.requests]]``) entry: requests of
+    ``methods`` (any when empty) to a path ``path`` matches, on ``host`` (any of
+    the rule's hosts when None), are let through (``allow``) or answered 403
+    (``refuse``).  ``key`` is where it is written, for the refusal's text.
+
+    ``path`` is a pattern of ``/``-separated segments: ``*`` inside a segment
+    matches any run of characters but ``/``, a segment ``**`` any number of
+    segments (none included).  ``egress/reqrules.py`` matches it.
+    """
+
+    key: str
+    action: str
+    path: str
+    methods: tuple[str, ...] = ()
+    host: str | None = None
+
+    def describe(self) -> str:
+        methods = ",".join(self.methods) if self.methods else "any method"
+        on = f" on {self.host}" if self.host else ""
+        return f"{self.action} {methods} {self.path}{on}"
+
+
 @dataclass(frozen=True)
 class InjectRule:
     """Set ``header`` to ``format`` on requests to ``hosts`` (TLS terminated on 443).
 
     ``format`` may hold ``{token}`` and ``{basic}``; ``{basic}`` is
-    ``base64(basic_user + ":" + token)``.
+    ``base64(basic_user + ":" + token)``.  ``requests`` are the ordered
+    request rules (the first that matches decides); a request none matches is
+    let through when ``unmatched`` is ``allow``.  ``key`` names the rule in
+    refusals: ``inject[N]``, or ``github`` for the built-in rule.
     """
 
     hosts: tuple[str, ...]
@@ -187,6 +220,19 @@ class InjectRule:
     #: One of the built-in GitHub rules (``githubRules``), not a ``[[inject]]`` of the
     #: config: it applies only where it can work (``builtinRules``).
     builtin: bool = False
+    requests: tuple[RequestRule, ...] = ()
+    unmatched: str = ALLOW
+    key: str = ""
+    #: ``github.repos``: the repositories the built-in GitHub rule's token may
+    #: reach (``owner/name``, ``owner/*``); None: no scope (``egress/github.py``).
+    repos: tuple[str, ...] | None = None
+    #: ``github.mutations``: the GraphQL mutations allowed while ``repos`` is set.
+    mutations: tuple[str, ...] = ()
+
+    @property
+    def decides(self) -> bool:
+        """Whether requests are matched at all (a rule, ``unmatched = "refuse"``, a scope)."""
+        return bool(self.requests) or self.unmatched != ALLOW or self.repos is not None
 
     def render(self, token: str) -> str:
         import base64
@@ -213,6 +259,8 @@ class ProxyConfig:
     #: by the dispatcher from the config it loads (the machine's); off, since a
     #: service of root's would be handed whatever the kernel reports as uid 0.
     dispatch_root: bool = False
+    #: Refuse requests that carry no registered session credential (egress/sessions.py).
+    require_session: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -262,6 +310,8 @@ class AuditConfig:
     file: str
     max_bytes: int = 10 * 1024 * 1024
     keep: int = 3
+    #: Whether a terminated request's record keeps its query string (it may hold secrets).
+    queries: bool = False
 
 
 @dataclass(frozen=True)
@@ -320,8 +370,16 @@ class Config:
         return None
 
 
-def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
-    """The built-in rule: one ``gh auth token`` for GitHub's three hosts."""
+def githubRules(
+    token: TokenSource | None = None,
+    requests: tuple[RequestRule, ...] = (),
+    unmatched: str = ALLOW,
+    repos: tuple[str, ...] | None = None,
+    mutations: tuple[str, ...] = (),
+) -> tuple[InjectRule, ...]:
+    """The built-in rule: one ``gh auth token`` for GitHub's three hosts, with
+    ``[github]``'s request rules (``requests``, ``unmatched``) and scope
+    (``repos``, ``mutations``)."""
     source = token or CommandSource(command=("gh", "auth", "token"))
     return (
         InjectRule(
@@ -331,6 +389,11 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
             basic_user="x-access-token",
             token=source,
             builtin=True,
+            requests=tuple(r for r in requests if r.host in (None, "github.com")),
+            unmatched=unmatched,
+            key="github",
+            repos=repos,
+            mutations=mutations,
         ),
         InjectRule(
             hosts=("api.github.com", "uploads.github.com"),
@@ -338,12 +401,17 @@ def githubRules(token: TokenSource | None = None) -> tuple[InjectRule, ...]:
             format="token {token}",
             token=source,
             builtin=True,
+            requests=tuple(r for r in requests if r.host != "github.com"),
+            unmatched=unmatched,
+            key="github",
+            repos=repos,
+            mutations=mutations,
         ),
     )
 
 
-def builtinRules(domains: tuple[str, ...], token: TokenSource | None = None) -> tuple[InjectRule, ...]:
-    """The built-in GitHub rules narrowed to the hosts the allow list admits on 443.
+def builtinRules(domains: tuple[str, ...], rules: tuple[InjectRule, ...] | None = None) -> tuple[InjectRule, ...]:
+    """The built-in GitHub rules (``rules``, default ``githubRules()``) narrowed to the hosts the allow list admits on 443.
 
     A rule for a host the proxy refuses anyway would only start ``gh auth
     token`` every renewal and put the host in the injection CA; with no GitHub
@@ -353,12 +421,12 @@ def builtinRules(domains: tuple[str, ...], token: TokenSource | None = None) -> 
     (``egress.inject.Route.active``).
     """
     allow = AllowList.parse(domains)
-    rules = []
-    for rule in githubRules(token):
+    narrowed = []
+    for rule in githubRules() if rules is None else rules:
         hosts = tuple(h for h in rule.hosts if allow.byName(h, 443) is not None)
         if hosts:
-            rules.append(replace(rule, hosts=hosts))
-    return tuple(rules)
+            narrowed.append(replace(rule, hosts=hosts))
+    return tuple(narrowed)
 
 
 # --------------------------------------------------------------------------- lookup
@@ -402,7 +470,7 @@ def load(
     config = narrow(machineConfigValue, user, data)
     if config.inject_builtin:
         # The built-in GitHub rule follows the narrowed allow list, as it follows a file's own.
-        config = replace(config, inject=builtinRules(config.sandbox.domains))
+        config = replace(config, inject=builtinRules(config.sandbox.domains, config.inject))
     _checkLayout(config)
     return config
 
@@ -570,8 +638,9 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
     sandbox = _parseSandbox(root.table("sandbox"), paths)
     proxy = _parseProxy(root.table("proxy"))
     _checkDomains(root.table("sandbox"), sandbox.domains, proxy.port)
+    github = _parseGithub(root)
     named = _parseInject(root, paths)
-    inject = builtinRules(sandbox.domains) if named is None else named
+    inject = builtinRules(sandbox.domains, github) if named is None else named
     broker = _parseBroker(root.table("broker"), paths)
     scope = _parseScope(root.table("scope"))
     audit = _parseAudit(root.table("audit"), paths)
@@ -793,6 +862,7 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         idle_timeout=_positive(t, "idle_timeout", float, 600.0),
         dispatch_socket=dispatch,
         dispatch_root=t.get("dispatch_root", bool, False),
+        require_session=t.get("require_session", bool, False),
     )
     t.finish()
     return proxy
@@ -820,6 +890,87 @@ def _parseToken(t: _Table, paths: Paths) -> TokenSource:
     if file:
         return FileSource(_absPath(t, "token_file", file, paths), renew)
     return EnvSource(env, renew)
+
+
+_METHOD = re.compile(r"[A-Z][A-Z0-9_-]*")
+#: A path pattern: an absolute path of visible ASCII, without what a request's
+#: target may not hold on a path with rules (egress/reqrules.py refuses those).
+_PATH_PATTERN = re.compile(r"/[!$&'()*+,\-.0-9:;=@A-Z_a-z~/%]*")
+
+
+def _parseRequests(t: _Table, hosts: tuple[str, ...]) -> tuple[tuple[RequestRule, ...], str]:
+    """``requests`` (an array of tables) and ``unmatched`` of an inject rule or of ``[github]``."""
+    t.seen.add("requests")
+    value = t.data.get("requests", [])
+    if not isinstance(value, list):
+        raise t.error("requests", f"must be an array of tables ([[{t.prefix.split('[')[0]}.requests]])")
+    rules: list[RequestRule] = []
+    for i, item in enumerate(value):
+        r = _Table(t.source, t.key(f"requests[{i}]"), item)
+        action = r.get("action", str, "")
+        if action not in ACTIONS:
+            raise r.error("action", f"{action!r} is not \"allow\" or \"refuse\"")
+        path = r.get("path", str, "")
+        if not _PATH_PATTERN.fullmatch(path):
+            raise r.error(
+                "path",
+                f"{path!r} is not a path pattern (/…: '*' within a segment, '**' for any segments; "
+                "no query, fragment, backslash or space)",
+            )
+        segments = path.split("/")[1:]
+        for segment in segments:
+            if segment in (".", "..") or ("**" in segment and segment != "**"):
+                raise r.error(
+                    "path", f"{path!r}: a segment is '**' alone, and never '.' or '..' (they are refused in requests)"
+                )
+        if "//" in path:
+            raise r.error("path", f"{path!r}: an empty segment ('//') matches nothing (such requests are refused)")
+        methods = r.strings("methods", ())
+        for j, m in enumerate(methods):
+            if not _METHOD.fullmatch(m):
+                raise r.error(f"methods[{j}]", f"{m!r} is not an HTTP method in capitals (GET, POST, …)")
+        host = r.get("host", str, "") or None
+        if host is not None and host.lower() not in hosts:
+            raise r.error("host", f"{host!r} is not one of this rule's hosts ({', '.join(hosts)})")
+        r.finish()
+        rules.append(
+            RequestRule(key=r.prefix, action=action, path=path, methods=methods, host=host.lower() if host else None)
+        )
+    unmatched = t.get("unmatched", str, ALLOW)
+    if unmatched not in ACTIONS:
+        raise t.error("unmatched", f"{unmatched!r} is not \"allow\" or \"refuse\"")
+    return tuple(rules), unmatched
+
+
+_REPO = re.compile(r"[A-Za-z0-9-]+/(\*|[A-Za-z0-9._-]+)")
+_GRAPHQL_NAME = re.compile(r"[_A-Za-z][_0-9A-Za-z]*")
+
+
+def _parseGithub(root: _Table) -> tuple[InjectRule, ...] | None:
+    """``[github]``: request rules and scope for the built-in GitHub rule; None when absent."""
+    root.seen.add("github")
+    if "github" not in root.data:
+        return None
+    t = _Table(root.source, "github", root.data["github"])
+    if "inject" in root.data:
+        raise t.error(
+            "requests",
+            "[github] shapes the built-in GitHub rule, which [[inject]] tables replace; "
+            "put these requests in the [[inject]] rule for GitHub's hosts",
+        )
+    requests, unmatched = _parseRequests(t, GITHUB_HOSTS)
+    repos: tuple[str, ...] | None = t.strings("repos", ()) if "repos" in t.data else None
+    for i, repo in enumerate(repos or ()):
+        if not _REPO.fullmatch(repo) or repo.split("/")[1] in (".", ".."):
+            raise t.error(f"repos[{i}]", f"{repo!r} is not OWNER/NAME or OWNER/*")
+    mutations = t.strings("mutations", ())
+    for i, name in enumerate(mutations):
+        if not _GRAPHQL_NAME.fullmatch(name):
+            raise t.error(f"mutations[{i}]", f"{name!r} is not a GraphQL mutation name (createPullRequest, addComment, …)")
+    if mutations and repos is None:
+        raise t.error("mutations", "mutations are allowed by name only while github.repos is set (without it, all are)")
+    t.finish()
+    return githubRules(requests=requests, unmatched=unmatched, repos=repos, mutations=mutations)
 
 
 def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...] | None:
@@ -863,10 +1014,12 @@ def _parseInject(root: _Table, paths: Paths) -> tuple[InjectRule, ...] | None:
         if any(c in fmt for c in "\r\n\0"):
             raise t.error("format", "cannot contain CR, LF or NUL")
         token = _parseToken(t, paths)
+        requests, unmatched = _parseRequests(t, tuple(canon))
         t.finish()
         rules.append(
             InjectRule(
-                hosts=tuple(canon), header=header, format=fmt, basic_user=basicUser, token=token
+                hosts=tuple(canon), header=header, format=fmt, basic_user=basicUser, token=token,
+                requests=requests, unmatched=unmatched, key=t.prefix,
             )
         )
     return tuple(rules)
@@ -955,6 +1108,7 @@ def _parseAudit(t: _Table, paths: Paths) -> AuditConfig:
         file=_absPath(t, "file", file, paths) if file else paths.auditLog,
         max_bytes=_positive(t, "max_bytes", int, 10 * 1024 * 1024),
         keep=_positive(t, "keep", int, 3),
+        queries=t.get("queries", bool, False),
     )
     t.finish()
     return audit

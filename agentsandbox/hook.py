@@ -964,8 +964,11 @@ def credentialNames(
     )
 
 
-def sessionLines(environ: Mapping[str, str], cwd: str | None = None) -> tuple[list[str], list[str]]:
-    """(lines for $CLAUDE_ENV_FILE, messages for the user); ``cwd`` is the session's, when known."""
+def sessionLines(
+    environ: Mapping[str, str], cwd: str | None = None, session: str | None = None
+) -> tuple[list[str], list[str]]:
+    """(lines for $CLAUDE_ENV_FILE, messages for the user); ``cwd`` is the session's, when known;
+    ``session`` is Claude Code's session id, which the proxy's records then carry."""
     from agentsandbox.config import DEFAULT_UNSET_ENV, ConfigError, load
     from agentsandbox.policy import Policy
 
@@ -991,6 +994,13 @@ def sessionLines(environ: Mapping[str, str], cwd: str | None = None) -> tuple[li
 
     lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(exports.items())]
     lines += [f"unset {n}" for n in names]
+    if session is not None:
+        credential, unregistered = registerSession(session, policy.spool)
+        if credential is not None:
+            lines += sessionCredentialLines(session, credential)
+        elif config.proxy.require_session:
+            messages.append(f"agentsandbox: this session has no proxy credential ({unregistered}); with "
+                            "proxy.require_session its commands cannot reach the network.")
     from agentsandbox.claude import drift, machinePolicy
 
     try:
@@ -1004,6 +1014,56 @@ def sessionLines(environ: Mapping[str, str], cwd: str | None = None) -> tuple[li
     if cwd is not None and cwd.startswith("/"):
         messages += _definitionWarnings(policy, config.source, cwd)
     return lines, messages
+
+
+#: The proxy variables whose URL gets the session's credential as its userinfo.
+PROXY_URL_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def registerSession(session: str, spool: str, timeout: float = 2.0) -> tuple[str | None, str]:
+    """A fresh credential for ``session``, registered (its SHA-256 only) with the
+    running service through the broker's ``session`` op; (None, why) when that fails."""
+    from agentsandbox.broker.client import BrokerError, ask
+    from agentsandbox.egress.sessions import SESSION_ID, digest, newCredential
+
+    if not SESSION_ID.fullmatch(session):
+        return None, f"{session[:80]!r} is not a session name the proxy takes"
+    credential = newCredential()
+    try:
+        ask("session", spool, timeout, args=(session, digest(credential)))
+    except BrokerError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"the broker's spool {spool}: {e.strerror or e}"
+    return credential, ""
+
+
+def sessionCredentialLines(session: str, credential: str) -> list[str]:
+    """Shell lines that put ``credential`` into the userinfo of each proxy URL the
+    sandbox set (replacing its placeholder), in the shell's own expansions: the
+    credential never reaches an argv.  Sourced inside the sandbox, after the
+    sandbox's own variables (egress/sessions.py, docs/injection.md)."""
+    import shlex
+
+    return [f"export AGENTSANDBOX_SESSION={shlex.quote(session)}", *proxyUserinfoLines(credential)]
+
+
+def proxyUserinfoLines(credential: str) -> list[str]:
+    """The shell that sets ``agentsandbox:CREDENTIAL@`` as every proxy URL's userinfo;
+    ``credential`` is a shell word (the credential itself, which is URL- and
+    shell-safe, or ``"$VARIABLE"``)."""
+    from agentsandbox.egress.sessions import USER
+
+    v, u, r = "__agentsandbox_v", "__agentsandbox_u", "__agentsandbox_r"
+    return [
+        f"__agentsandbox_c={USER}:{credential}@",
+        f"for {v} in {' '.join(PROXY_URL_VARS)}; do "
+        rf'eval "{u}=\${{${v}-}}"; '
+        f'case "${u}" in *://*) {r}="${{{u}#*://}}"; '
+        f'case "${{{r}%%/*}}" in *@*) {r}="${{{r}#*@}}";; esac; '
+        f'export "${v}=${{{u}%%://*}}://$__agentsandbox_c${r}";; esac; done',
+        f"unset {v} {u} {r} __agentsandbox_c",
+    ]
 
 
 def _definitionWarnings(policy: Policy, source: str, cwd: str) -> list[str]:
@@ -1209,11 +1269,11 @@ def _egressVars(egressDir: str | None, exe: str) -> dict[str, str]:
     return exported
 
 
-def sessionstart(environ: Mapping[str, str], cwd: str | None = None) -> str:
+def sessionstart(environ: Mapping[str, str], cwd: str | None = None, session: str | None = None) -> str:
     """Append the session's environment to $CLAUDE_ENV_FILE; stdout is the hook's JSON."""
     messages: list[str] = []
     try:
-        lines, messages = sessionLines(environ, cwd)
+        lines, messages = sessionLines(environ, cwd, session)
         target = environ.get("CLAUDE_ENV_FILE")
         if not target:
             messages.append("agentsandbox: CLAUDE_ENV_FILE is not set; sandboxed Bash keeps Claude Code's environment.")
@@ -1258,13 +1318,16 @@ def main(argv: list[str]) -> int:
         return 0
     if argv == ["sessionstart"]:
         cwd: str | None = None
+        session: str | None = None
         try:
             event = loads(sys.stdin.buffer.read(MAX_INPUT))
             given = event.get("cwd") if isinstance(event, dict) else None
             cwd = given if isinstance(given, str) else None
+            named = event.get("session_id") if isinstance(event, dict) else None
+            session = named if isinstance(named, str) else None
         except Exception:
             pass
-        sys.stdout.write(sessionstart(os.environ, cwd))
+        sys.stdout.write(sessionstart(os.environ, cwd, session))
         return 0
     print("usage: agentsandbox hook pretooluse|sessionstart  (run by Claude Code; JSON on stdin)", file=sys.stderr)
     if argv and argv[0] == "pretooluse":

@@ -14,7 +14,8 @@ places (Claude Code's sandbox through the policy helper, the hook, the proxy,
   machine's plus the user's;
 - where the sandboxes dial and the dispatcher (``proxy.port``, ``listen``,
   ``dispatch_socket``, ``dispatch_root``): the machine's alone;
-- what is the user's by nature (their tokens and ``inject`` rules, ``broker``,
+- what is the user's by nature (their tokens and ``inject`` rules with their
+  request rules, ``[github]`` included, ``broker``,
   ``scope``, ``audit``, the proxy's limits and parent): the user's where given.
 
 A notice is a wish the machine does not grant; ``doctor`` shows each as a
@@ -89,7 +90,12 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
     proxyValues: dict[str, Any] = {}
     for field in fields(machine.proxy):
         name = field.name
-        if name in MACHINE_PROXY_KEYS:
+        if name == "require_session":
+            # The machine's, or stricter: a user may turn it on, never off.
+            proxyValues[name] = machine.proxy.require_session or (name in proxyGiven and user.proxy.require_session)
+            if name in proxyGiven and machine.proxy.require_session and not user.proxy.require_session:
+                refused("proxy.require_session", False)
+        elif name in MACHINE_PROXY_KEYS:
             if name in proxyGiven and getattr(user.proxy, name) != getattr(machine.proxy, name):
                 refused(f"proxy.{name}", getattr(user.proxy, name))
             proxyValues[name] = getattr(machine.proxy, name)
@@ -102,8 +108,9 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         machine=machine.source,
         sandbox=sandbox,
         proxy=replace(machine.proxy, **proxyValues),
-        inject=user.inject if "inject" in given else machine.inject,
-        inject_builtin=user.inject_builtin if "inject" in given else machine.inject_builtin,
+        # [github] shapes the built-in inject rule: it is the user's as [[inject]] is.
+        inject=user.inject if "inject" in given or "github" in given else machine.inject,
+        inject_builtin=user.inject_builtin if "inject" in given or "github" in given else machine.inject_builtin,
         broker=user.broker if "broker" in given else machine.broker,
         scope=user.scope if "scope" in given else machine.scope,
         audit=user.audit if "audit" in given else machine.audit,

@@ -316,13 +316,47 @@ def insideEnv(env: Mapping[str, str]) -> str:
     return "".join(f"{n}={shlex.quote(env[n])}; " for n in names) + "export " + " ".join(names) + "; "
 
 
+#: The variable that carries the session credential into the sandbox, where the
+#: wrapper moves it into the proxy URLs and unsets it (never in an argv).
+CREDENTIAL_VAR = "AGENTSANDBOX_SESSION_CREDENTIAL"
+
+
+def insideCredential(env: Mapping[str, str]) -> str:
+    """Shell (no secret in it) that moves ``$AGENTSANDBOX_SESSION_CREDENTIAL`` into
+    the userinfo of the proxy URLs srt set, when ``env`` carries one."""
+    if CREDENTIAL_VAR not in env:
+        return ""
+    from agentsandbox.hook import proxyUserinfoLines
+
+    return "; ".join(proxyUserinfoLines(f'"${CREDENTIAL_VAR}"')) + f"; unset {CREDENTIAL_VAR}; "
+
+
 def srtArgv(
     srtProgram: str, settingsPath: str, command: Sequence[str], env: Mapping[str, str] | None = None
 ) -> list[str]:
     """srt running ``command`` exactly (through ``exec "$@"``) once its bridges listen,
     with ``env``'s proxy variables set over srt's own."""
-    script = insideEnv(env or {}) + BRIDGE_WAIT
+    script = insideEnv(env or {}) + insideCredential(env or {}) + BRIDGE_WAIT
     return [srtProgram, "--settings", settingsPath, "--", "/bin/sh", "-c", script, "agentsandbox-run", *command]
+
+
+def runSession(config: Any, policy: Policy) -> dict[str, str]:
+    """A session of its own for this run (``run-`` and a random name): its credential
+    registered with the service, and the variables that carry it into the sandbox.
+    Without a broker the command runs unattributed (or, with
+    ``proxy.require_session``, without the network), and is told so."""
+    import secrets
+
+    from agentsandbox.hook import registerSession
+
+    session = "run-" + secrets.token_hex(6)
+    credential, why = registerSession(session, policy.spool)
+    if credential is None:
+        suffix = " its requests are refused (proxy.require_session)" if config.proxy.require_session else ""
+        _say(f"this run has no proxy session ({why});{suffix or ' its requests are not attributed'}")
+        return {}
+    _say(f"session {session} (agentsandbox log --session {session})")
+    return {"AGENTSANDBOX_SESSION": session, CREDENTIAL_VAR: credential}
 
 
 def exitStatus(returncode: int) -> int:
@@ -424,6 +458,7 @@ def run(
         _say(note)
     srtProgram = shutil.which("srt", path=env.get("PATH")) or "srt"
     policy.mountPoints()
+    env = {**env, **runSession(config, policy)}
     with settingsFile(settings, settingsDir(policy)) as path:
         try:
             return runUnder(srtArgv(srtProgram, path, command, env), env, cwd)

@@ -33,6 +33,7 @@ from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
+from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
@@ -63,8 +64,10 @@ STOP_GRACE = 2.0
 class CountingAudit:
     """The audit log, counting every decision on its way through for ``status``."""
 
-    def __init__(self, audit: AuditLog) -> None:
+    def __init__(self, audit: AuditLog, sessions: SessionRegistry | None = None) -> None:
         self.audit = audit
+        #: Which session each client address belongs to: every record of it says so.
+        self.sessions = sessions if sessions is not None else SessionRegistry()
         self.events: Counter[str] = Counter()
         self.bytesUp = 0
         self.bytesDown = 0
@@ -76,6 +79,9 @@ class CountingAudit:
             self.bytesUp += up
         if isinstance(down, int):
             self.bytesDown += down
+        session = self.sessions.of(fields.get("client"))
+        if session is not None:
+            fields["session"] = session
         return self.audit.record(event, **fields)
 
     def close(self) -> None:
@@ -153,7 +159,9 @@ class AgentSandbox(MultiService):
         self.reactor = reactor
         self.environ = dict(os.environ if environ is None else environ)
         self.holder = ConfigHolder(config)
-        self.audit = CountingAudit(AuditLog.fromConfig(config))
+        #: Per-session proxy credentials (their digests), registered through the broker.
+        self.sessions = SessionRegistry()
+        self.audit = CountingAudit(AuditLog.fromConfig(config), self.sessions)
         dialer = dialer if dialer is not None else tcpDialer(reactor)
         #: Why the proxy could not listen (None while it listens or has not tried).
         self.startFailure: str | None = None
@@ -191,6 +199,8 @@ class AgentSandbox(MultiService):
             self.holder, reactor, clock=clock, environ=self.environ, dialer=dialer, upstreamTrust=upstreamTrust
         )
         self.injection.setServiceParent(self)
+        # Refused requests and withheld responses of terminated tunnels are decisions too.
+        self.injection.injector.audit = self.audit.record
 
         self.proxyFactory = EgressProxyFactory(
             self.holder,
@@ -202,6 +212,7 @@ class AgentSandbox(MultiService):
             audit=self.audit,  # type: ignore[arg-type]
         )
         dispatchSocket = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+        self.proxyFactory.sessions = self.sessions
         self.proxy = ProxyService(
             self.proxyFactory, dispatchSocket=dispatchSocket, awaitDispatcher=awaitDispatcher(dispatchSocket, config, self.environ)
         )
@@ -216,6 +227,7 @@ class AgentSandbox(MultiService):
             stopGrace=STOP_GRACE,
             statusSources={"proxy": self.proxyFigures, "tokens": self.injection.tokenFigures,
                            "config": self.configFigures},
+            sessions=self.sessions,
         )
         self.broker.setServiceParent(self)
 
@@ -291,6 +303,8 @@ class AgentSandbox(MultiService):
             "forwarded": events["forward"],
             "refused": events["refused"] + events["peer"] + events["parse"],
             "failed": events["failed"],
+            "withheld": events["withheld"],
+            "sessions": self.sessions.sessions,
             "bytesUp": self.audit.bytesUp + sum(t.up for t in open_),
             "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),
             "injectedRequests": self.injection.injectedRequests(),

@@ -16,6 +16,13 @@ for three targets:
     injected host (the tests' harness does the same).  Its TLS, request
     parsing, header injection and verified upstream TLS are the production
     code; only the tunnel set-up before it is skipped.
+``agentsandbox+rules``
+    the same, with what issue 29 adds on: eight request rules on the host
+    (``unmatched = "refuse"``, ``GET /user`` allowed by the last one, so every
+    request is matched against all of them) and every response head and body
+    searched for the token's forms.  ``agentsandbox`` itself runs with both
+    off, so the ratio of the two, measured in the same run, is their cost
+    (goal: at least 0.85).
 ``mitmproxy``
     ``mitmdump`` in reverse-proxy mode to ``https://api.github.com`` (an addon
     points the connection at the local upstream, as our dialer does, and sets
@@ -192,7 +199,20 @@ def serveUpstream(workdir: str, ready: Any) -> None:
 # ---------------------------------------------------------------------- our injector
 
 
-def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
+#: The rules ``agentsandbox+rules`` matches every request against (the last allows it).
+BENCH_RULES = (
+    ("refuse", "/gists/**", ("POST", "PATCH", "DELETE")),
+    ("refuse", "/user/repos", ("POST",)),
+    ("refuse", "/repos/*/*/git/refs/**", ("DELETE",)),
+    ("allow", "/repos/me/*/**", ()),
+    ("refuse", "/orgs/**", ("POST", "PUT", "PATCH", "DELETE")),
+    ("refuse", "/user/keys/**", ()),
+    ("allow", "/graphql", ("POST",)),
+    ("allow", "/user", ("GET",)),
+)
+
+
+def serveOurs(workdir: str, upstreamPort: int, ready: Any, guarded: bool = False) -> None:
     from twisted.internet import reactor
     from twisted.internet.address import IPv4Address
     from twisted.internet.protocol import ServerFactory
@@ -204,13 +224,18 @@ def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
 
     with open(os.path.join(workdir, "upstream-ca.pem"), "rb") as f:
         trust = f.read()
-    rules = githubRules()
+    from agentsandbox.config import RequestRule
+
+    requests = tuple(
+        RequestRule(key=f"github.requests[{i}]", action=a, path=p, methods=m) for i, (a, p, m) in enumerate(BENCH_RULES)
+    )
+    rules = githubRules(requests=requests, unmatched="refuse") if guarded else githubRules()
     ca = InjectionCA.create([h for r in rules for h in r.hosts], label="bench")
     dialer = MappedDialer(reactor)
     dialer.map(UPSTREAM_ADDRESS, upstreamPort)
     holder = FixedToken(TOKEN)
     injector = Injector(
-        ca, routesFor(rules, lambda rule: holder), dialer, reactor, upstreamTrust=trust  # type: ignore[arg-type,unused-ignore]
+        ca, routesFor(rules, lambda rule: holder, scan=guarded), dialer, reactor, upstreamTrust=trust  # type: ignore[arg-type,unused-ignore]
     )
 
     class Tunnels(ServerFactory):
@@ -222,6 +247,54 @@ def serveOurs(workdir: str, upstreamPort: int, ready: Any) -> None:
     assert isinstance(host, IPv4Address)
     ready.put(host.port)
     reactor.run()  # type: ignore[attr-defined,unused-ignore]
+
+
+def inMemory(rounds: int = 5, exchanges: int = 20000) -> tuple[float, float]:
+    """CPU µs per keep-alive exchange of the terminated path past its TLS (a
+    request in, the same small response out, ``memoryTunnel`` over
+    ``StringTransport``s), without and with rules and scanning: the best of
+    ``rounds`` alternated rounds, by this process's CPU time, so other load on
+    the machine barely moves it."""
+    import ipaddress as ip
+
+    from agentsandbox.config import RequestRule, githubRules
+    from agentsandbox.egress.inject import Route
+    from agentsandbox.egress.testing import FixedToken, MemoryUpstreamPool, memoryTunnel
+
+    class Keeping(MemoryUpstreamPool):
+        def release(self, upstream: Any) -> None:
+            pass  # one upstream for the tunnel's life, as the injector's pool gives
+
+    requests = tuple(
+        RequestRule(key=f"github.requests[{i}]", action=a, path=p, methods=m) for i, (a, p, m) in enumerate(BENCH_RULES)
+    )
+    request = b"GET /user HTTP/1.1\r\nHost: api.github.com\r\nAuthorization: token x\r\nUser-Agent: wrk\r\n\r\n"
+    response = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b" % (
+        len(RESPONSE_BODY), RESPONSE_BODY
+    )
+
+    def once(guarded: bool) -> float:
+        rules = githubRules(requests=requests, unmatched="refuse") if guarded else githubRules()
+        pool = Keeping()
+        tunnel, client = memoryTunnel(pool, Route(HOST, rules[1], FixedToken(TOKEN), guarded), (ip.ip_address("192.0.2.1"),))
+        tunnel.dataReceived(request)
+        upstream = pool.upstreams[0]
+        sent: Any = upstream.transport
+        upstream.dataReceived(response)
+        assert client.value().endswith(RESPONSE_BODY)
+        start = time.process_time()
+        for _ in range(exchanges):
+            tunnel.dataReceived(request)
+            upstream.dataReceived(response)
+            client.clear()
+            sent.clear()
+        return (time.process_time() - start) / exchanges * 1e6
+
+    plain, guarded = [], []
+    for _ in range(rounds):
+        plain.append(once(False))
+        guarded.append(once(True))
+    return min(plain), min(guarded)
 
 
 # ---------------------------------------------------------------------- mitmproxy
@@ -336,6 +409,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="keep-alive runs of agentsandbox and agentsandbox+rules, alternated, for their ratio",
+    )
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("bench/inject.py: skipped: wrk is not installed (apt-get install wrk)")
@@ -353,10 +430,15 @@ def main() -> int:
         ours.start()
         children.append(ours)
         oursPort = ready.get(timeout=30)
+        guarded = ctx.Process(target=serveOurs, args=(workdir, upstreamPort, ready, True), daemon=True)
+        guarded.start()
+        children.append(guarded)
+        guardedPort = ready.get(timeout=30)
         fake = "token agent-has-no-token"
         targets: dict[str, tuple[int, str, int | None] | str] = {
             "direct": (upstreamPort, f"token {TOKEN}", upstream.pid),
             "agentsandbox": (oursPort, fake, ours.pid),
+            "agentsandbox+rules": (guardedPort, fake, guarded.pid),
         }
         mitm = startMitm(workdir, upstreamPort)
         if isinstance(mitm, str):
@@ -381,19 +463,44 @@ def main() -> int:
             print(f"\n{label}:")
             for name, target in targets.items():
                 if isinstance(target, str):
-                    print(f"  {name:13} skipped: {target}")
+                    print(f"  {name:18} skipped: {target}")
                     continue
                 port, authorization, pid = target
                 rate, problems, cpu = wrk(port, authorization, args.seconds, args.connections, close, pid)
                 rates[(name, close)] = rate
                 where = "upstream" if name == "direct" else "proxy"
                 cpuNote = f"  ({where} CPU {cpu:6.0f} µs/request)" if cpu is not None else ""
-                print(f"  {name:13} {rate:10.0f}{cpuNote}{'  ERRORS: ' + problems if problems else ''}")
+                print(f"  {name:18} {rate:10.0f}{cpuNote}{'  ERRORS: ' + problems if problems else ''}")
+        # The cost of rules and scanning: the two alternated, so that load from
+        # elsewhere on a shared machine falls on both alike.
+        pairs: list[tuple[float, float]] = []
+        plain, withRules = targets["agentsandbox"], targets["agentsandbox+rules"]
+        assert not isinstance(plain, str) and not isinstance(withRules, str)
+        print(f"\nkeep-alive requests/s, without / with rules and scanning, {args.rounds} rounds alternated:")
+        for _ in range(args.rounds):
+            without = wrk(plain[0], plain[1], args.seconds, args.connections, False, plain[2])
+            with_ = wrk(withRules[0], withRules[1], args.seconds, args.connections, False, withRules[2])
+            pairs.append((without[0], with_[0]))
+            cpus = f"  (proxy CPU {without[2] or 0:4.0f} / {with_[2] or 0:4.0f} µs/request)"
+            problems = "; ".join(p for p in (without[1], with_[1]) if p)
+            print(f"  {without[0]:10.0f} / {with_[0]:10.0f}  = {with_[0] / max(without[0], 1):5.2f}{cpus}"
+                  f"{'  ERRORS: ' + problems if problems else ''}")
+        plainCPU, guardedCPU = inMemory()
+        print(
+            f"\nin memory, past TLS (no sockets), CPU per keep-alive exchange: without {plainCPU:.1f} µs, "
+            f"with rules and scanning {guardedCPU:.1f} µs (+{guardedCPU - plainCPU:.1f} µs)"
+        )
         print("\nratios:")
+        if pairs:
+            total = sum(w for _, w in pairs) / max(sum(p for p, _ in pairs), 1)
+            print(f"  keep-alive, {args.rounds} rounds: +rules+scanning / without = {total:6.2f}  (goal >= 0.85)")
         for close, label in ((False, "keep-alive"), (True, "handshakes")):
             ours_ = rates.get(("agentsandbox", close))
             if not ours_:
                 continue
+            guardedRate = rates.get(("agentsandbox+rules", close))
+            if guardedRate:
+                print(f"  {label}, one run: +rules+scanning / without = {guardedRate / ours_:6.2f}")
             direct = rates.get(("direct", close))
             if direct:
                 print(f"  {label}: agentsandbox / direct    = {ours_ / direct:6.2f}")

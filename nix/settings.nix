@@ -35,6 +35,23 @@ let
   envPattern = types.strMatching "[][A-Za-z0-9_*?]+";
   envName = types.strMatching "[A-Za-z_][A-Za-z0-9_]*";
   pathStr = types.str;
+  action = types.enum [ "allow" "refuse" ];
+
+  # One `[[inject.requests]]` / `[[github.requests]]` entry (docs/config.md).
+  requestRule =
+    tomlType:
+    table tomlType {
+      action = mkOption {
+        type = action;
+        description = "`allow` lets a matching request through, `refuse` answers it 403.";
+      };
+      path = mkOption {
+        type = types.strMatching "/.*";
+        description = "A path pattern: `*` inside a segment, `**` for any number of segments.";
+      };
+      methods = opt (types.listOf (types.strMatching "[A-Z][A-Z0-9_-]*")) "Methods it matches. Unset: any.";
+      host = opt types.str "One of the rule's hosts it is limited to. Unset: all of them.";
+    };
 
   table =
     tomlType: options:
@@ -86,6 +103,11 @@ let
         The dispatcher's registration socket. Unset: `/run/agentsandbox/dispatch.sock`.
         `""` never registers (each service binds the port itself).
       '';
+      require_session = opt types.bool ''
+        Refuse requests that carry no session credential (the SessionStart hook's, or
+        `agentsandbox run`'s). Unset: false (requests without one are served, unattributed).
+        A user's file may turn it on, never off.
+      '';
       dispatch_root = opt types.bool ''
         Whether the dispatcher takes a registration of uid 0, so that root's own service
         serves root's sandboxes through the port. Unset: false (root's registration is
@@ -105,10 +127,25 @@ let
       token_env = opt envName "A variable of the service's environment holding the token.";
       renew = opt positive "Seconds between token renewals.";
       token_timeout = opt positive "Seconds the token command may take.";
+      requests = opt (types.listOf (requestRule tomlType)) ''
+        Ordered request rules (`[[inject.requests]]`): the first whose methods and path match decides.
+      '';
+      unmatched = opt action "What a request no rule matches gets. Unset: `allow`.";
     })) ''
       Credentials the proxy sets (`[[inject]]`). Unset: the built-in GitHub rule (`gh auth token`).
       `[ ]` injects nothing. Never put a token itself here: the Nix store is world-readable.
     '';
+    github = {
+      requests = opt (types.listOf (requestRule tomlType)) ''
+        Request rules for the built-in GitHub rule (`[[github.requests]]`); only without `inject`.
+      '';
+      unmatched = opt action "What a GitHub request no rule matches gets. Unset: `allow`.";
+      repos = opt (types.listOf (types.strMatching "[A-Za-z0-9-]+/([*]|[A-Za-z0-9._-]+)")) ''
+        The repositories (`owner/name`, `owner/*`) the GitHub token may reach; set, it also refuses
+        gists, user-level writes and unlisted GraphQL mutations (docs/injection.md).
+      '';
+      mutations = opt (types.listOf (types.strMatching "[_A-Za-z][_0-9A-Za-z]*")) "GraphQL mutations allowed while `repos` is set.";
+    };
     broker = {
       spool = opt pathStr "The spool sessions reach the broker through. Unset: `~/.local/state/agentsandbox/spool`.";
       kubeconfig = opt pathStr "The kubeconfig the `kubeconfig` operation reads.";
@@ -138,6 +175,7 @@ let
       file = opt pathStr "The decision log. Unset: `~/.local/state/agentsandbox/audit.jsonl`.";
       max_bytes = opt types.ints.positive "Size at which the log rotates.";
       keep = opt types.ints.positive "Rotated logs kept.";
+      queries = opt types.bool "Whether a terminated request's record keeps its query string. Unset: false.";
     };
     run = {
       env = opt (types.listOf envPattern) "Variables `agentsandbox run` passes to the command.";

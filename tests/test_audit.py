@@ -21,7 +21,7 @@ def clockAt(t: list[float]) -> Callable[[], float]:
 
 def test_recordKeepsOnlyDecisionFields(tmp_path: Path) -> None:
     log = AuditLog(str(tmp_path / "a" / "audit.jsonl"), journal=False, wallClock=lambda: 100.0)
-    rec = log.record(
+    log.record(
         "refused",
         kind="connect",
         client="127.0.0.1:5",
@@ -36,15 +36,25 @@ def test_recordKeepsOnlyDecisionFields(tmp_path: Path) -> None:
     )
     log.close()
     text = (tmp_path / "a" / "audit.jsonl").read_text()
-    assert "ghu_secret" not in text and "Authorization" not in text and "path" not in rec
+    assert "ghu_secret" not in text and "Authorization" not in text
     assert json.loads(text) == {
         "ts": 100.0, "event": "refused", "kind": "connect", "client": "127.0.0.1:5",
         "host": "example.net", "port": 443, "reason": "not listed", "allow": "example.net",
+        "path": "/",  # a path is kept without its query string unless audit.queries says so
     }
     assert stat.S_IMODE(os.stat(tmp_path / "a" / "audit.jsonl").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(tmp_path / "a").st_mode) == 0o700
     with pytest.raises(ValueError):
         log.record("whatever")
+
+
+def test_queriesAreKeptOnlyWhenConfigured(tmp_path: Path) -> None:
+    kept = AuditLog(str(tmp_path / "q.jsonl"), journal=False, queries=True)
+    assert kept.record("refused", path="/a?page=2")["path"] == "/a?page=2"
+    kept.close()
+    dropped = AuditLog(str(tmp_path / "d.jsonl"), journal=False)
+    assert dropped.record("withheld", method="GET", path="/a?token=x")["path"] == "/a"
+    dropped.close()
 
 
 def test_rotation(tmp_path: Path) -> None:

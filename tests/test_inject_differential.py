@@ -101,10 +101,12 @@ EXAMPLES = settings(
 
 #: Request headers the injector removes or sets on purpose (RFC 9110 §7.6.1's
 #: hop-by-hop fields, the client's credentials and the rule's own header,
-#: Host, and the proxy's own fields); everything else must arrive as sent.
+#: Host, the proxy's own fields, and Accept-Encoding, set to identity so a
+#: response can be searched for the token); everything else must arrive as sent.
 REQUEST_EXEMPT = frozenset(
     {
         b"host",
+        b"accept-encoding",
         b"authorization",
         b"x-api-key",
         b"connection",

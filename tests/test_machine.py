@@ -152,6 +152,30 @@ def test_what_is_the_users_by_nature_is_theirs(user: User, machineFile: MachineC
     assert config.proxy.parent == "http://127.0.0.1:8080"
 
 
+def test_require_session_is_the_machines_or_stricter(user: User, machineFile: MachineConfig) -> None:
+    machineFile.write(MACHINE)
+    user.writeConfig("[proxy]\nrequire_session = true\n")
+    assert load(None, user.env).proxy.require_session is True  # a user may turn it on
+    machineFile.write(MACHINE.replace("max_tunnels = 100\n", "max_tunnels = 100\nrequire_session = true\n"))
+    user.writeConfig("[proxy]\nrequire_session = false\n")
+    config = load(None, user.env)
+    assert config.proxy.require_session is True  # ...never off
+    assert [n.split(": ", 1)[1].split(" = ", 1)[0] for n in config.notices] == ["proxy.require_session"]
+
+
+def test_a_users_github_table_is_their_inject_rule(user: User, machineFile: MachineConfig) -> None:
+    """[github] shapes the built-in GitHub rule, which is the user's as [[inject]] is."""
+    # The machine lets GitHub's API through: the built-in rule applies only where a host is allowed.
+    machineFile.write(MACHINE.replace('domains = [', 'domains = ["api.github.com", ', 1)
+                      + '\n[[inject]]\nhosts = ["api.example.com"]\ntoken_env = "MACHINE_TOKEN"\n')
+    user.writeConfig('[github]\n[[github.requests]]\naction = "refuse"\nmethods = ["POST"]\npath = "/gists"\n')
+    config = load(None, user.env)
+    assert config.injectFor("github.com") is None, "not on the machine's allow list"
+    api = config.injectFor("api.github.com")
+    assert api is not None and [r.key for r in api.requests] == ["github.requests[0]"]
+    assert config.injectFor("api.example.com") is None and config.notices == ()
+
+
 def test_the_narrowed_layout_is_checked_again(user: User, machineFile: MachineConfig) -> None:
     """A user's read and write may each be granted yet nest in a way the sandbox cannot mount."""
     machineFile.write('[sandbox]\nread = ["~/a"]\nwrite = ["~/a"]\n')

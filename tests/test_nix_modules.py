@@ -487,6 +487,22 @@ def test_nixos_mistyped_setting_fails_with_the_option_named(settings: dict[str, 
     print(f"checked: NixOS type error: {needle}")
 
 
+def test_nixos_request_rules_are_typed_keys() -> None:
+    """[[inject.requests]], [github] and audit.queries are options of their own, not freeform."""
+    rule = {"action": "refuse", "methods": ["POST"], "path": "/gists"}
+    for settings in (
+        {"inject": [{"hosts": ["api.example.com"], "token_env": "T", "unmatched": "refuse", "requests": [rule]}]},
+        {"github": {"unmatched": "allow", "requests": [dict(rule, host="api.github.com")], "repos": ["o/r", "team/*"],
+                    "mutations": ["addStar"]}, "audit": {"queries": True}, "proxy": {"require_session": True}},
+    ):
+        result = nixos({"settings": settings})
+        assert result["warnings"] == [] and result["failedAssertions"] == [], result
+        assert loaderError(settings) is None
+    error = evaluationError("eval-nixos.nix", {"enable": True, "settings": {"github": {"requests": [dict(rule, action="deny")]}}})
+    assert "deny" in error, error
+    print("checked: request rules are typed options; an action other than allow/refuse fails evaluation")
+
+
 def test_nixos_unknown_key_warns() -> None:
     warnings = nixos({"settings": {"sandbox": {"domain": ["github.com"]}}})["warnings"]
     assert len(warnings) == 1 and warnings[0].startswith("services.agentsandbox.settings.sandbox.domain is not a key")

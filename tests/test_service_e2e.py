@@ -539,6 +539,97 @@ def test_run_starts_the_command_once_the_bridges_listen(sessions: Sessions, requ
     assert session.texts["bridges"].split() == ["1", "1"], session.describe()
 
 
+# --------------------------------------------------------------------------- attribution (issue 29)
+
+#: What a sandboxed command prints of its proxy variables: the credential shown as
+#: CRED (sed reads the value on stdin: it never stands in an argv).
+_PROXY_VARS = (
+    'echo "SESSION=$AGENTSANDBOX_SESSION"; for v in HTTP_PROXY HTTPS_PROXY ALL_PROXY; do '
+    'eval "u=\\${$v-}"; printf "%s=%s\\n" "$v" "$u" | sed -E "s/s1\\.[A-Za-z0-9_-]+/CRED/"; done'
+)
+
+
+def _sessionRecords(stack: Stack, session: str) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [str(stack.world.launcher), "log", "--json", "--session", session],
+        env=stack.userEnv(), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.mark.claude
+@pytest.mark.parametrize("label", ["claude-pinned", "claude-latest"])
+def test_two_claude_sessions_at_once_are_attributed_apart(stack: Stack, label: str, request: pytest.FixtureRequest) -> None:
+    """Two sessions of one release run at once, each with its own mock API; each
+    one's Bash reaches the proxy with its own credential, and `agentsandbox log
+    --session` shows each one's requests and nothing of the other's."""
+    import threading
+
+    binary = installedBinaries()[label.removeprefix("claude-")].require()
+    request.getfixturevalue("managed")
+    targets = {"one": stack.site.port, "two": stack.unlisted.port}
+    runs: dict[str, ClaudeRun] = {}
+    with mockAPI() as apiOne, mockAPI() as apiTwo:
+        apis = {"one": apiOne, "two": apiTwo}
+
+        def play(name: str) -> None:
+            command = (f"{BRIDGES_UP}curl -sS -i http://127.0.0.1:{targets[name]}/{label}-{name}; echo; "
+                       + _PROXY_VARS)
+            runs[name] = runClaude(binary, [ToolCall("Bash", {"command": command})], cwd=stack.world.project,
+                                   env=stack.claudeEnv(apis[name]), api=apis[name], timeout=SESSION_TIMEOUT)
+
+        threads = [threading.Thread(target=play, args=(name,)) for name in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    ids: dict[str, str] = {}
+    for name, run in runs.items():
+        assert not run.timedOut and run.result is not None, run.describe()
+        ids[name] = next(e["session_id"] for e in run.events if e.get("session_id"))
+        text = run.outcomes[0].text
+        assert "SESSION=" in text, run.describe()
+        print(f"\n{label} session {name}: what its sandboxed Bash sees\n{text[text.index('SESSION='):]}")
+        assert f"SESSION={ids[name]}" in text, run.describe()
+        assert "HTTPS_PROXY=http://agentsandbox:CRED@localhost:3128" in text, run.describe()
+    assert ids["one"] != ids["two"]
+    deadline = time.monotonic() + AUDIT_WAIT
+    while True:
+        one, two = _sessionRecords(stack, ids["one"]), _sessionRecords(stack, ids["two"])
+        if any(r["event"] == "forward" for r in one) and any(r["event"] == "refused" for r in two):
+            break
+        assert time.monotonic() < deadline, (one, two)
+        time.sleep(0.05)
+    assert {r["port"] for r in one} == {stack.site.port}, one
+    assert {r["port"] for r in two} == {stack.unlisted.port}, two
+    assert all(r["session"] == ids["one"] for r in one) and all(r["session"] == ids["two"] for r in two)
+    assert f"/{label}-one" in stack.site.paths and f"/{label}-two" not in stack.unlisted.paths
+
+
+@pytest.mark.srt
+def test_run_is_a_session_of_its_own(stack: Stack) -> None:
+    if shutil.which("srt") is None:
+        pytest.skip("srt is not installed (npm install -g @anthropic-ai/sandbox-runtime)")
+    done = runBounded(
+        [str(stack.world.launcher), "run", "--", "sh", "-c",
+         f"curl -sS http://127.0.0.1:{stack.site.port}/run-session; echo; {_PROXY_VARS}; "
+         "echo CREDENTIAL_VAR=${AGENTSANDBOX_SESSION_CREDENTIAL-unset}"],
+        env=stack.userEnv(), cwd=stack.world.project, timeout=SESSION_TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(f"\nagentsandbox run: what its command sees\n{done.stdout}")
+    session = done.stdout.split("SESSION=", 1)[1].split()[0]
+    assert session.startswith("run-") and f"session {session}" in done.stderr
+    assert "HTTPS_PROXY=http://agentsandbox:CRED@localhost:3128" in done.stdout
+    assert "CREDENTIAL_VAR=unset" in done.stdout  # moved into the URLs, then unset
+    deadline = time.monotonic() + AUDIT_WAIT
+    while not (records := _sessionRecords(stack, session)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [(r["event"], r["port"]) for r in records] == [("forward", stack.site.port)]
+
+
 def test_the_service_kept_the_token_to_itself(stack: Stack) -> None:
     """Whatever ran in this module: no log, audit record or report of the service holds it."""
     assert stack.service.alive(), stack.service.log()

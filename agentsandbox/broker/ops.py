@@ -81,6 +81,8 @@ class Host:
     policy: Policy
     #: Every running host process, so a stopping broker can wait for them to end.
     running: set[Deferred[Any]] = field(default_factory=set)
+    #: The proxy's ``egress.sessions.SessionRegistry`` (None: a broker without a proxy).
+    sessions: Any = None
 
 
 @dataclass
@@ -262,6 +264,43 @@ class Status(Ping):
     def perform(self, plan: Any, call: Call, host: Host) -> Deferred[Reply]:
         body = json.dumps(host.status(), sort_keys=True, indent=1) + "\n"
         return defer.succeed(Reply(out=body.encode()))
+
+
+# --------------------------------------------------------------------------- session
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    session: str
+    digest: str
+
+
+class Session:
+    """``session NAME SHA256``: the proxy attributes connections whose credential has
+    that SHA-256 to session NAME (``egress/sessions.py``).  The credential itself
+    never travels: the request, a file in the spool, holds only its digest."""
+
+    name = "session"
+
+    def validate(self, request: Request, config: Config) -> SessionPlan:
+        if len(request.args) != 2 or request.input is not None or request.memory or request.cpu or request.key:
+            raise OpError("session takes two arguments: the session's name and the SHA-256 of its credential")
+        return SessionPlan(*request.args)
+
+    def originKeys(self, plan: Any) -> tuple[str, ...]:
+        return ()
+
+    def perform(self, plan: SessionPlan, call: Call, host: Host) -> Deferred[Reply]:
+        if call.origin.sandboxed:
+            # The hook and `agentsandbox run` register from the host; a sandboxed
+            # process could only claim a session it is not.
+            raise OpError("session: a sandboxed process cannot register a session")
+        if host.sessions is None:
+            raise OpError("this broker serves no proxy: there is nothing to attribute")
+        why = host.sessions.register(plan.session, plan.digest)
+        if why is not None:
+            raise OpError(f"session refused: {why}")
+        return defer.succeed(Reply())
 
 
 # --------------------------------------------------------------------------- sign
@@ -702,7 +741,7 @@ def _readFile(path: str) -> bytes:
 
 # --------------------------------------------------------------------------- table
 
-OPS: dict[str, Op] = {op.name: op for op in (Ping(), Status(), Sign(), Run(), Scope(), Kubeconfig())}
+OPS: dict[str, Op] = {op.name: op for op in (Ping(), Status(), Sign(), Run(), Scope(), Kubeconfig(), Session())}
 
 __all__ = [
     "OPS",

@@ -94,6 +94,7 @@ class BrokerService(service.Service):
         ops: dict[str, Op] | None = None,
         stopGrace: float | None = None,
         statusSources: Mapping[str, Callable[[], Any]] | None = None,
+        sessions: Any = None,
     ) -> None:
         if reactor is None:
             from twisted.internet import reactor as defaultReactor
@@ -137,6 +138,7 @@ class BrokerService(service.Service):
             inThread=self.inThread,
             status=self.statusReport,
             policy=Policy.fromConfig(config, environ=self.environ),
+            sessions=sessions,
         )
         self._policyFrom = config
 

@@ -243,6 +243,9 @@ class _RefusingDoor:
     def buffered(self, data: bytes) -> None:
         pass
 
+    def sessionRefusal(self, kind: str, password: bytes | None) -> str | None:
+        return None  # every request is refused below anyway
+
     def openTunnel(self, kind: str, host: str, port: int, granted: Callable[[], None], refused: Callable[[Any], None]) -> None:
         from agentsandbox.egress.grant import Refusal
 

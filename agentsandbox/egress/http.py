@@ -60,6 +60,7 @@ from agentsandbox.egress.http11 import (
 )
 from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
+from agentsandbox.egress.sessions import passwordOf
 from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
@@ -213,6 +214,13 @@ class HTTPHandler:
         self.door.cancelHeaderTimer()
         method, rawTarget = head.start
         target = rawTarget.decode("ascii")  # the grammar admits visible ASCII only
+        given = head.values(b"proxy-authorization")
+        refused = self.door.sessionRefusal(
+            "connect" if method == b"CONNECT" else "http", passwordOf(given[0]) if len(given) == 1 else None
+        )
+        if refused is not None:
+            self.fail(407, refused)
+            return
         if method == b"CONNECT":
             if head.chunked or head.length:
                 self.fail(400, "refused: a CONNECT request with a body", parse=True)

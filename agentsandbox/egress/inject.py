@@ -60,6 +60,7 @@ Nothing here logs a header, a body or a token.
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,8 +83,10 @@ from zope.interface import Attribute, Interface, implementer
 
 from agentsandbox.config import InjectRule
 from agentsandbox.egress.dial import dialInTurn
+from agentsandbox.egress.github import MAX_GRAPHQL_BODY
 from agentsandbox.egress.grant import RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
+    BY_LENGTH,
     CHUNKED,
     END,
     HOP_BY_HOP,
@@ -98,6 +101,8 @@ from agentsandbox.egress.http11 import (
     forwardedLines,
 )
 from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
+from agentsandbox.egress.leakscan import LeakScanner, tokenForms
+from agentsandbox.egress.reqrules import METHOD_OVERRIDES, RequestPolicy
 from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
@@ -110,6 +115,9 @@ HTTPS_PORT = 443
 #: table, plus Host (set to the tunnel's host) and every client Authorization
 #: (the rule's header is set instead).
 _NOT_FORWARDED = HOP_BY_HOP | {b"host", b"authorization"}
+#: The same, when responses are searched for the token: the client's
+#: ``Accept-Encoding`` too (``identity`` is asked for, so the body can be read).
+_NOT_FORWARDED_SCANNED = _NOT_FORWARDED | {b"accept-encoding"}
 _REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 
 #: A pipelining client may not run further ahead than this while we answer.
@@ -123,17 +131,38 @@ class Route:
     host: str
     rule: InjectRule
     keeper: ITokenHolder
+    #: Whether responses are searched for the token (``leakscan.py``).
+    scan: bool = True
     headerName: bytes = field(init=False)
     headerPrefix: bytes = field(init=False)
     hostLine: bytes = field(init=False)
+    #: The request rules for this host; None when the rule has none.
+    policy: RequestPolicy | None = field(init=False)
+    notForwarded: frozenset[bytes] = field(init=False)
     _lastToken: str | None = field(default=None, init=False)
     _lastValue: bytes = field(default=b"", init=False)
     _warned: bool = field(default=False, init=False)
+    _formsToken: str | None = field(default=None, init=False)
+    _forms: tuple[bytes, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         self.headerName = self.rule.header.lower().encode("ascii")
         self.headerPrefix = self.headerName + b": "
         self.hostLine = b"host: " + self.host.encode("ascii") + b"\r\n"
+        self.policy = RequestPolicy(self.rule, self.host) if self.rule.decides else None
+        notForwarded = _NOT_FORWARDED_SCANNED if self.scan else _NOT_FORWARDED
+        # With rules, a method-override header is found in the one pass over the fields.
+        self.notForwarded = notForwarded | METHOD_OVERRIDES if self.policy is not None else notForwarded
+
+    def leakForms(self) -> tuple[bytes, ...]:
+        """The forms of the current token a response must not carry (none without a token)."""
+        token = self.keeper.token()
+        if token is None:
+            return ()
+        if token is not self._formsToken:
+            self._forms = tokenForms(token)
+            self._formsToken = token
+        return self._forms
 
     def active(self) -> bool:
         """Whether tunnels to this host are terminated now.
@@ -167,14 +196,15 @@ class Route:
 
 
 def routesFor(
-    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder]
+    rules: Sequence[InjectRule], keeperFor: Callable[[InjectRule], ITokenHolder], scan: bool = True
 ) -> dict[str, Route]:
-    """host -> Route for every host of every rule."""
+    """host -> Route for every host of every rule (``scan=False``: responses are
+    not searched for the token, for the benchmark's baseline only)."""
     routes: dict[str, Route] = {}
     for rule in rules:
         keeper = keeperFor(rule)
         for host in rule.hosts:
-            routes[host] = Route(host, rule, keeper)
+            routes[host] = Route(host, rule, keeper, scan)
     return routes
 
 
@@ -186,6 +216,12 @@ class IUpstreamPool(Interface):
 
     def injected() -> None:
         """Count one request sent upstream with the rule's header set."""
+
+    def record(
+        event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
+        """One audit record of a terminated request (a refusal, a response withheld);
+        ``client`` is the tunnel's client address, which names its session."""
 
     def acquire(host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         """A connected upstream to ``host``, pooled or dialled, at one of ``addresses``."""
@@ -235,6 +271,9 @@ class Injector:
         self.poolSize = poolSize
         #: Requests sent upstream with the rule's header set, for ``status``.
         self.injectedRequests = 0
+        #: Where refused requests and withheld responses are recorded
+        #: (``AuditLog.record``'s signature); the service sets it.
+        self.audit: Callable[..., object] | None = None
         self._idle: dict[str, list[_Upstream]] = {}
         #: Whether released upstreams go back to the pool; ``closeIdle`` ends it
         #: (a tunnel closed by the stopping proxy must not refill the pool).
@@ -279,6 +318,23 @@ class Injector:
 
     def injected(self) -> None:
         self.injectedRequests += 1
+
+    def record(
+        self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
+        if self.audit is None:
+            return
+        self.audit(
+            event,
+            kind="inject",
+            host=host,
+            port=HTTPS_PORT,
+            method=method.decode("ascii", "replace"),
+            path=target.decode("ascii", "replace"),
+            reason=reason,
+            rule=rule,
+            client=client,
+        )
 
     def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> defer.Deferred[_Upstream]:
         idle = self._idle.get(host)
@@ -399,6 +455,13 @@ class _Exchange:
     method: bytes  # the request's: what its response answers
     upgrade: bytes | None  # the protocol it asks to switch to (only ever websocket)
     closeAfter: bool  # the client's connection ends with this exchange
+    target: bytes  # as sent upstream (origin form), for an audit record
+    chunked: bool = False  # the response's body is chunked (the scanner re-frames it)
+    #: The request as it would go upstream, held until its body decides (GraphQL under
+    #: github.repos); None: forwarded as it comes.
+    held: list[bytes] | None = None
+    heldSize: int = 0
+    heldChunked: bool = False
     forwarded: bool = False  # some of the request went upstream (its head first)
     requestDone: bool = False
     responseStarted: bool = False  # the final response head went to the client
@@ -434,12 +497,20 @@ class _Tunnel(Protocol):
         self._gone = False  # the client's connection is lost
         self._lastActivity = 0.0
         self._timer: IDelayedCall | None = None
+        self._client = "?"
+        #: Searches responses for the token's forms; None while not scanning.
+        self._scanner: LeakScanner | None = None
+        #: The request being refused asked for JSON: the refusal is {"message": ...}.
+        self._jsonErrors = False
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
 
     # ------------------------------------------------------------------ connection
 
     def connectionMade(self) -> None:
         self._reads.transport = self.transport
+        peer = self.transport.getPeer() if self.transport is not None else None
+        #: The client's address as the proxy's records write it (it names the session).
+        self._client = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', 0)}"
         self._lastActivity = self._clock.seconds()
         self._timer = self._clock.callLater(self._pool.idleTimeout, self._checkIdle)
 
@@ -499,6 +570,8 @@ class _Tunnel(Protocol):
             exchange = self._exchange
             if not ended or exchange is None or self._closed:
                 break  # (or the dial failed at once, and the client was answered)
+            if exchange.held is not None and (not self._release(exchange) or self._closed):
+                break
             exchange.requestDone = True
             if not (exchange.responseDone and self._exchangeDone()):
                 break
@@ -530,25 +603,40 @@ class _Tunnel(Protocol):
         hosts = 0
         connection = False
         upgrade = None
+        notForwarded = route.notForwarded
+        overridden = False
         for name, value in head.fields:
-            if name in _NOT_FORWARDED or (name[0] == 0x70 and name[:6] == b"proxy-"):
+            if name in notForwarded or (name[0] == 0x70 and name[:6] == b"proxy-"):
                 if name == b"host":
                     hosts += 1
                 elif name == b"connection":
                     connection = True
                 elif name == b"upgrade":
                     upgrade = value
+                elif name in METHOD_OVERRIDES:
+                    overridden = True
                 continue
             if name != own:
                 lines += (name, b": ", value, b"\r\n")
         if hosts != 1:
             raise Refused(400, ONE_HOST)
+        policy = route.policy
+        hold = False
+        if policy is not None:
+            decision = policy.decide(method, target, overridden)
+            if decision.needsBody:
+                hold = True
+            elif not decision.allowed:
+                rule = decision.rule.key if decision.rule is not None else decision.key
+                self._pool.record("refused", self._host, method, target, decision.text, rule, self._client)
+                self._jsonErrors = any(b"json" in v for v in head.values(b"accept"))
+                raise Refused(403, decision.text)
         upgrading = None
         if connection:
             named = head.connection
             if named & {n for n, _ in head.fields}:
                 # (forwardedLines never drops the framing a Connection names)
-                drop = frozenset({b"host", b"authorization", own})
+                drop = frozenset({b"host", b"authorization", own, *notForwarded - _NOT_FORWARDED})
                 lines = [*lines[:5], forwardedLines(head, drop)]
             if upgrade is not None and b"upgrade" in named and upgrade.lower() == b"websocket":
                 lines += (b"connection: upgrade\r\nupgrade: ", upgrade, b"\r\n")
@@ -559,10 +647,23 @@ class _Tunnel(Protocol):
         if injected is not None:
             lines += (route.headerPrefix, injected, b"\r\n")
             self._pool.injected()
+        if route.scan:
+            # The body must be readable to be searched for the token.
+            lines.append(b"accept-encoding: identity\r\n")
+            forms = route.leakForms()
+            scanner = self._scanner
+            if not forms:
+                self._scanner = None
+            elif scanner is None or scanner.forms is not forms:
+                self._scanner = LeakScanner(forms)
         lines.append(b"\r\n")
         # (The upstream held is reusable here: _exchangeDone drops one that is
         # not, and fromUpstream one that refused bytes between exchanges.)
-        self._exchange = _Exchange(method, upgrading, self._requests.closing)
+        self._exchange = _Exchange(method, upgrading, self._requests.closing, target)
+        if hold:
+            self._exchange.held = []
+            self._exchange.heldChunked = started.framing is CHUNKED
+            self._jsonErrors = any(b"json" in v for v in head.values(b"accept"))
         return b"".join(lines)
 
     def _originForm(self, target: bytes) -> bytes | None:
@@ -590,10 +691,16 @@ class _Tunnel(Protocol):
         if transport is None or self._closed:
             return
         if not responseStarted:
-            body = (text + "\n").encode("utf-8")
+            if self._jsonErrors:
+                # A JSON client shows an API's {"message": ...} (gh does; a text body it does not).
+                body = json.dumps({"message": text}).encode("ascii") + b"\n"
+                kind = b"application/json"
+            else:
+                body = (text + "\n").encode("utf-8")
+                kind = b"text/plain; charset=utf-8"
             transport.write(
-                b"HTTP/1.1 %d %b\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%b" % (status, _REASONS.get(status, b""), len(body), body)
+                b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%b" % (status, _REASONS.get(status, b""), kind, len(body), body)
             )
         self._close()
 
@@ -642,8 +749,35 @@ class _Tunnel(Protocol):
 
     # ------------------------------------------------------------------ to upstream
 
+    def _release(self, exchange: _Exchange) -> bool:
+        """A held request is whole: its body decides whether it goes upstream."""
+        held, exchange.held = exchange.held or [], None
+        data = b"".join(held)
+        body = data[data.index(b"\r\n\r\n") + 4 :]
+        if exchange.heldChunked:
+            body = _unchunk(body)
+        policy = self._route.policy
+        assert policy is not None
+        decision = policy.decideBody(exchange.method, exchange.target, body)
+        if not decision.allowed:
+            self._pool.record(
+                "refused", self._host, exchange.method, exchange.target, decision.text, decision.key, self._client
+            )
+            self._refuse(403, decision.text)
+            return False
+        self._forward([data])
+        return True
+
     def _forward(self, out: list[bytes]) -> None:
         data = out[0] if len(out) == 1 else b"".join(out)
+        held = self._exchange.held if self._exchange is not None else None
+        if held is not None:
+            assert self._exchange is not None
+            held.append(data)
+            self._exchange.heldSize += len(data)
+            if self._exchange.heldSize > MAX_GRAPHQL_BODY:
+                self._refuse(413, f"a GraphQL request to {self._host} over {MAX_GRAPHQL_BODY} bytes cannot be checked against github.repos")
+            return
         if self._dialing:
             self._queued.append(data)
             return
@@ -692,6 +826,9 @@ class _Tunnel(Protocol):
         if self._closed:
             return
         exchange = self._exchange
+        if self._scanner is not None:
+            self._fromUpstreamScanned(parts, exchange, self._scanner)
+            return
         if exchange is None:
             if self._requests.switched:  # the other protocol's bytes
                 for part in parts:
@@ -722,6 +859,143 @@ class _Tunnel(Protocol):
                 parts = self._requests.next()
                 if parts:
                     self._take(parts)
+
+    def _fromUpstreamScanned(self, parts: list[Part], exchange: _Exchange | None, scanner: LeakScanner) -> None:
+        """``fromUpstream`` with every head and body byte searched for the
+        token's forms first: a hit passes none of it on, cuts the client's
+        connection (or answers 502 when no response head went out yet) and is
+        an audit record.  Chunked bodies are searched as their data, not their
+        framing, and re-framed; what the scanner holds back goes out with the
+        next read or at the body's end."""
+        if exchange is None:
+            if self._requests.switched:
+                passedOn: list[bytes] = []
+                for p in parts:
+                    if isinstance(p, bytes):
+                        passed = scanner.feed(p)
+                        if passed is None:
+                            self._leaked(None, "the websocket's bytes")
+                            return
+                        passedOn.append(passed)
+                data = b"".join(passedOn)
+                if data:
+                    self.transport.write(data)  # type: ignore[union-attr]
+            elif isinstance(parts[-1], Refused):
+                self._dropUpstream()
+            return
+        if len(parts) == 3 and parts[2] is END and parts[0].__class__ is Started and parts[1].__class__ is bytes:
+            # The usual keep-alive answer: a whole response in one read, searched in one pass.
+            started = parts[0]
+            if started.framing is BY_LENGTH and not started.informational and not scanner.holding:
+                head = self._responseHead(started, exchange)
+                data = head + parts[1]
+                if scanner.whole(data) or _encoded(started):
+                    exchange.responseStarted = False
+                    self._withhold(exchange, [started], data, head, False)
+                    return
+                self.transport.write(data)  # type: ignore[union-attr]
+                exchange.responseDone = True
+                if self._exchangeDone():
+                    parts = self._requests.next()
+                    if parts:
+                        self._take(parts)
+                return
+        startedBefore = exchange.responseStarted
+        out: list[bytes] = []
+        ended = switched = False
+        for part in parts:
+            if part.__class__ is bytes:
+                assert isinstance(part, bytes)
+                if exchange.chunked:
+                    nl = part.index(b"\r\n")
+                    payload = part[nl + 2 : -2]
+                    if not payload:  # the last chunk
+                        tail = scanner.end()
+                        if tail:
+                            out.append(b"%x\r\n%b\r\n" % (len(tail), tail))
+                        out.append(part)
+                        continue
+                    passed = scanner.feed(payload)
+                    if passed is None:
+                        self._leaked(exchange, "the response body", startedBefore)
+                        return
+                    if passed:
+                        out.append(b"%x\r\n%b\r\n" % (len(passed), passed))
+                else:
+                    passed = scanner.feed(part)
+                    if passed is None:
+                        self._leaked(exchange, "the response body", startedBefore)
+                        return
+                    if passed:
+                        out.append(passed)
+            elif part.__class__ is Started:
+                started = part
+                head = self._responseHead(started, exchange)
+                if scanner.whole(head) or (not started.informational and _encoded(started)):
+                    self._withhold(exchange, [started], head, head, startedBefore)
+                    return
+                scanner.end()
+                if not started.informational:
+                    exchange.chunked = started.framing is CHUNKED
+                out.append(head)
+            elif part is END:
+                if not exchange.chunked:
+                    tail = scanner.end()
+                    if tail:
+                        out.append(tail)
+                ended = True
+            elif part is SWITCHED:
+                switched = True
+        if out:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        if switched:
+            self._switch()
+        elif ended:
+            exchange.responseDone = True
+            if self._exchangeDone():
+                parts = self._requests.next()
+                if parts:
+                    self._take(parts)
+
+    def _withhold(
+        self, exchange: _Exchange, starts: list[Started], data: bytes, head: bytes, startedBefore: bool
+    ) -> None:
+        """A response head (and, in ``data``, maybe its body) that cannot go to the client."""
+        started = starts[0]
+        encoding = started.head.values(b"content-encoding")
+        if _encoded(started):
+            self._leaked(
+                exchange,
+                None,
+                startedBefore,
+                "the response is encoded (content-encoding: "
+                + b", ".join(encoding).decode("ascii", "replace")
+                + ") though identity was asked for, so it cannot be searched for the token",
+            )
+        else:
+            scanner = self._scanner
+            inHead = scanner is not None and scanner.whole(head)
+            self._leaked(exchange, "the response head" if inHead else "the response body", startedBefore)
+
+    def _leaked(
+        self, exchange: _Exchange | None, where: str | None, startedBefore: bool = True, why: str | None = None
+    ) -> None:
+        """A response carried the token (in ``where``), or could not be searched
+        (``why``): the client gets none of it, and the audit log says so."""
+        scanner = self._scanner
+        if why is None:
+            form = scanner.found if scanner is not None else None
+            token = self._route.keeper.token()
+            what = "the token" if token is not None and form == token.encode() else "an encoding of the token"
+            why = f"{where} carried {what}; it was withheld from the client and the connection cut"
+        method, target = (exchange.method, exchange.target) if exchange is not None else (b"-", b"-")
+        self._pool.record("withheld", self._host, method, target, why, None, self._client)
+        self._exchange = None
+        self._dropUpstream()
+        if startedBefore:
+            self._close(abort=True)
+        else:
+            self._sendError(502, f"the sandbox's proxy withheld a response of {self._host}: {why}", False)
 
     def _responseHead(self, started: Started, exchange: _Exchange) -> bytes:
         """The head the client gets for a response head the upstream's framer read."""
@@ -917,8 +1191,30 @@ class _Upstream(Protocol):
             d.callback(None)
 
 
+def _encoded(started: Started) -> bool:
+    """Whether a final response's body is content-coded (then it cannot be searched)."""
+    for name, value in started.head.fields:
+        if name == b"content-encoding" and value.strip().lower() != b"identity":
+            return True
+    return False
+
+
+def _unchunk(framed: bytes) -> bytes:
+    """The data of a body this module re-framed (``%x\\r\\n DATA \\r\\n`` ... ``0\\r\\n\\r\\n``)."""
+    out: list[bytes] = []
+    at = 0
+    while True:
+        nl = framed.index(b"\r\n", at)
+        size = int(framed[at:nl], 16)
+        if not size:
+            return b"".join(out)
+        out.append(framed[nl + 2 : nl + 2 + size])
+        at = nl + 2 + size + 2
+
+
 _REASONS = {
     400: b"Bad Request",
+    403: b"Forbidden",
     405: b"Method Not Allowed",
     413: b"Payload Too Large",
     431: b"Request Header Fields Too Large",

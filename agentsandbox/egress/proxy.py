@@ -75,6 +75,7 @@ from agentsandbox.egress.rules import (
     suggestEntry,
     unwrapMapped,
 )
+from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder
 
@@ -161,6 +162,7 @@ class FrontDoor(Protocol):
     def connectionMade(self) -> None:
         peer, host = self._addresses()
         self.client = f"{peer[0]}:{peer[1]}"
+        self.factory.sessions.connected(self.client)
         self.factory.doors.add(self)
         why = self.factory.peers.check(peer, host)
         if why is not None:
@@ -239,6 +241,19 @@ class FrontDoor(Protocol):
             self.factory.terminatedClosed(self, self.terminatedAs)
 
     # -------------------------------------------------------------- helpers for handlers
+    def sessionRefusal(self, kind: str, password: bytes | None) -> str | None:
+        """Attribute this connection to the session whose credential ``password`` is
+        (``egress/sessions.py``); why it is refused when none is and
+        ``proxy.require_session`` is set (then audited), else None."""
+        if self.factory.sessions.attribute(self.client, password) is not None or not self.config.proxy.require_session:
+            return None
+        why = (
+            "refused: this request carries no session credential the proxy knows, and proxy.require_session "
+            "is true (start the command from a Claude Code session or `agentsandbox run`)"
+        )
+        self.factory.record("refused", kind=kind, client=self.client, reason=why)
+        return why
+
     def parseError(self, kind: str, why: str, answer: bytes) -> None:
         """A request the proxy cannot serve: audit it, answer, close."""
         self.factory.record("parse", kind=kind, client=self.client, reason=why)
@@ -468,6 +483,8 @@ class EgressProxyFactory(Factory):
         self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
         self._literalDecisions: dict[tuple[str, int], Grant | Refusal] = {}
         self._localAddresses: dict[Any, tuple[str, int] | None] = {}
+        #: Per-session credentials: the session of each client address (the service shares its own).
+        self.sessions = SessionRegistry()
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
@@ -531,6 +548,9 @@ class EgressProxyFactory(Factory):
 
     # -------------------------------------------------------------- audit
     def record(self, event: str, **fields: Any) -> None:
+        session = self.sessions.of(fields.get("client"))
+        if session is not None:
+            fields["session"] = session
         if self.audit is not None:
             self.audit.record(event, **fields)
         elif event != "tunnel":

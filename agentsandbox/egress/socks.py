@@ -90,12 +90,18 @@ class SocksHandler:
         if len(b) < 2 + n:
             return False
         methods, self.buffer = b[2 : 2 + n], b[2 + n :]
-        if NO_AUTH in methods:
-            writeNow(self.door.transport, bytes([VERSION, NO_AUTH]))
-            self.state = "request"
-        elif USER_PASS in methods:
+        # user/password first: its password may be the session's credential.
+        if USER_PASS in methods:
             writeNow(self.door.transport, bytes([VERSION, USER_PASS]))
             self.state = "auth"
+        elif NO_AUTH in methods:
+            if self.door.sessionRefusal("socks", None) is not None:
+                self.state = "closed"
+                self.door.transport.write(bytes([VERSION, NO_ACCEPTABLE]))
+                self.door.transport.loseConnection()
+                return False
+            writeNow(self.door.transport, bytes([VERSION, NO_AUTH]))
+            self.state = "request"
         else:
             self._bad(
                 "no acceptable SOCKS method offered (no-auth or user/password)",
@@ -118,8 +124,15 @@ class SocksHandler:
         end = 3 + ulen + plen
         if len(b) < end:
             return False
-        # The credentials are placeholders the sandbox's bridge sends: read, dropped, never logged.
+        # The password is the session's credential (egress/sessions.py) or a
+        # placeholder the sandbox's bridge sends: never kept, checked only by digest.
+        password = bytes(b[3 + ulen : end])
         self.buffer = b[end:]
+        if self.door.sessionRefusal("socks", password) is not None:
+            self.state = "closed"
+            self.door.transport.write(bytes([1, 1]))
+            self.door.transport.loseConnection()
+            return False
         writeNow(self.door.transport, bytes([1, 0]))
         self.state = "request"
         return True

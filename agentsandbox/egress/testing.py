@@ -258,9 +258,16 @@ class MemoryUpstreamPool:
         self.clock = Clock() if clock is None else clock
         self.injectedRequests = 0
         self.upstreams: list[_Upstream] = []
+        #: (event, host, method, target, reason, rule) of every ``record``.
+        self.records: list[tuple[str, str, bytes, bytes, str, str | None]] = []
 
     def injected(self) -> None:
         self.injectedRequests += 1
+
+    def record(
+        self, event: str, host: str, method: bytes, target: bytes, reason: str, rule: str | None, client: str | None = None
+    ) -> None:
+        self.records.append((event, host, method, target, reason, rule))
 
     def acquire(self, host: str, addresses: tuple[IPAddress, ...]) -> Deferred[_Upstream]:
         upstream = _Upstream(self, host, addresses[0], self.clock)

@@ -14,6 +14,17 @@ Routes:
 - ``GET /download?n=N``: N bytes, produced as the client reads.
 - ``/o/NAME.git/...``: git's smart HTTP (``git http-backend``), Basic
   ``x-access-token:T`` required, so clone and push show the injected header.
+- ``/other/NAME.git/...``: the same, for repositories of another owner
+  (``GIT_PROJECT_ROOT`` is ``gitRoot/other``).
+- ``/repos/...``, ``/graphql``, ``/gists...``, ``/markdown``: a stand-in for the REST and
+  GraphQL API, enough for ``gh`` to print what it got: ``{"ok": true,
+  "method": ..., "path": ..., "data": {...}, "html_url": ...}``.
+- ``GET /leak/WHAT``: a careless origin echoing the credential it was sent
+  back: ``header`` (in a response header), ``chunked`` (the token split
+  across chunks, each written in a reactor turn of its own so each is a TLS
+  record of its own), ``base64`` (``base64("x-access-token:" + T)`` inside a
+  JSON body, split the same way), ``length`` (a Content-Length body with the
+  token split across records), ``none`` (the same body shapes, no token).
 """
 
 from __future__ import annotations
@@ -98,6 +109,10 @@ class FakeGitHub:
         root.putChild(b"upload", _Upload(self))
         root.putChild(b"download", _Download(self))
         root.putChild(b"o", _Git(self))
+        root.putChild(b"other", _Git(self, "other"))
+        root.putChild(b"leak", _Leak(self))
+        for name in (b"repos", b"graphql", b"gists", b"markdown"):
+            root.putChild(name, _Api(self))
         site = server.Site(root)
         site.displayTracebacks = False
         site.noisy = False
@@ -159,6 +174,45 @@ class _Download(_Route):
         return server.NOT_DONE_YET
 
 
+class _Leak(_Route):
+    """Echoes the token back, as a careless origin might (see the module)."""
+
+    def render(self, request: server.Request) -> Any:
+        import base64
+
+        from twisted.internet import reactor
+
+        self.fake.record(request, b"")
+        assert request.postpath is not None
+        what = request.postpath[0].decode() if request.postpath else ""
+        token = self.fake.token
+        if what == "header":
+            request.setHeader(b"x-echo", f"you sent token {token}".encode())
+            return b"ok\n"
+        if what in ("chunked", "length", "none"):
+            secret = b"" if what == "none" else token.encode()
+            pieces = [b'{"debug": "auth was token ' + secret[:7], secret[7:20], secret[20:] + b'", "x": 1}\n']
+        elif what == "base64":
+            encoded = base64.b64encode(f"x-access-token:{token}".encode())
+            pieces = [b'{"echo": "Basic ' + encoded[:21], encoded[21:33], encoded[33:] + b'"}\n']
+        else:
+            request.setResponseCode(404)
+            return b""
+        if what == "length":
+            request.setHeader(b"content-length", str(sum(map(len, pieces))).encode())
+
+        def writeNext() -> None:
+            request.write(pieces.pop(0))
+            if pieces:
+                reactor.callLater(0.01, writeNext)  # type: ignore[attr-defined,unused-ignore]
+            else:
+                request.finish()
+
+        request.write(b"")
+        writeNext()
+        return server.NOT_DONE_YET
+
+
 class _Producer:
     """Writes ``size`` bytes only as fast as the client takes them."""
 
@@ -191,13 +245,30 @@ class _Producer:
         self.left = -1
 
 
-class _Git(_Route):
-    """``git http-backend`` as CGI under /o/, behind the injected Basic credential."""
+class _Api(_Route):
+    def render(self, request: server.Request) -> bytes:
+        assert request.content is not None
+        seen = self.fake.record(request, request.content.read())
+        request.setHeader(b"content-type", b"application/json")
+        if seen.authorization != [f"token {self.fake.token}"]:
+            request.setResponseCode(401)
+            return b'{"message": "Bad credentials"}'
+        if seen.method == "POST" and seen.path.startswith("/gists"):
+            request.setResponseCode(201)
+        return json.dumps(
+            {"ok": True, "method": seen.method, "path": seen.path, "id": "1", "files": {},
+             "data": {"viewer": {"login": "octocat"}}, "html_url": "https://gist.github.com/octocat/1"}
+        ).encode()
 
-    def __init__(self, fake: FakeGitHub) -> None:
+
+class _Git(_Route):
+    """``git http-backend`` as CGI under /o/ (or /OWNER/), behind the injected Basic credential."""
+
+    def __init__(self, fake: FakeGitHub, owner: str = "") -> None:
         super().__init__(fake)
         backend = gitHttpBackend()
-        self.cgi = _Backend(backend or "/nonexistent", fake.gitRoot)
+        root = os.path.join(fake.gitRoot, owner) if owner else fake.gitRoot
+        self.cgi = _Backend(backend or "/nonexistent", root)
 
     def render(self, request: server.Request) -> Any:
         seen = self.fake.record(request, None)
