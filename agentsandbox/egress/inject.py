@@ -849,6 +849,10 @@ class _Tunnel(Protocol):
                 ended = True
             elif part is SWITCHED:
                 switched = True
+        self._deliver(out, switched, ended, exchange)
+
+    def _deliver(self, out: list[bytes], switched: bool, ended: bool, exchange: _Exchange) -> None:
+        """Write one read's worth of the response; then a switched protocol or the next exchange."""
         if out:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
         if switched:
@@ -946,16 +950,7 @@ class _Tunnel(Protocol):
                 ended = True
             elif part is SWITCHED:
                 switched = True
-        if out:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
-        if switched:
-            self._switch()
-        elif ended:
-            exchange.responseDone = True
-            if self._exchangeDone():
-                parts = self._requests.next()
-                if parts:
-                    self._take(parts)
+        self._deliver(out, switched, ended, exchange)
 
     def _withhold(
         self, exchange: _Exchange, starts: list[Started], data: bytes, head: bytes, startedBefore: bool
