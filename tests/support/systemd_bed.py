@@ -25,6 +25,8 @@ Commands run inside with ``nsenter`` into all of PID 1's namespaces and its root
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import os
@@ -34,7 +36,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,12 +120,29 @@ def _run(argv: Sequence[str], log: Path, **kw: object) -> None:
         raise RuntimeError(f"{argv[0]} failed ({proc.returncode}); {log}:\n" + "\n".join(tail))
 
 
+@contextlib.contextmanager
+def cacheLock(cache: Path, exclusive: bool) -> Iterator[int]:
+    """The cache's lock: exclusive to build or drop a tree, shared while a bed boots on one."""
+    cache.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def ensureTree(cache: Path = CACHE) -> tuple[Path, float]:
     """The pristine tree for this package list, built when missing; (path, seconds spent)."""
     if os.geteuid() != 0:
         raise BedUnavailable("the bed needs root (debootstrap, namespaces, cgroups, mounts)")
     if shutil.which("debootstrap") is None:
         raise BedUnavailable("no debootstrap (.ci/install-deps installs it)")
+    with cacheLock(cache, exclusive=True):
+        return _ensureTree(cache)
+
+
+def _ensureTree(cache: Path) -> tuple[Path, float]:
     key = treeKey()
     tree = cache / key / "tree"
     if (cache / key / "complete").exists():
@@ -260,6 +279,7 @@ class Bed:
     bootSeconds: float = 0.0
     stopSeconds: float = 0.0
     _uids: dict[str, int] = field(default_factory=dict)
+    _lock: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def __post_init__(self) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="agentsandbox-bed."))
@@ -268,6 +288,9 @@ class Bed:
 
     def boot(self, timeout: float = 60.0) -> None:
         start = time.monotonic()
+        # Held until stop: no other run drops this tree while it is the overlay's lower dir.
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(cacheLock(self.tree.parent.parent, exclusive=False))
         stage1 = self.work / "stage1.sh"
         stage1.write_text(_STAGE1)
         self.proc = subprocess.Popen(
@@ -333,6 +356,7 @@ class Bed:
         self.stopSeconds = time.monotonic() - start
         self._removeCgroups()
         shutil.rmtree(self.work, ignore_errors=True)
+        self._lock.close()
 
     def _cgroups(self) -> list[Path]:
         try:
