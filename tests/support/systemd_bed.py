@@ -255,6 +255,10 @@ exec env -i container=other TERM=dumb /lib/systemd/systemd "$@"
 """
 
 
+def _rootCgroups() -> set[str]:
+    return {p for p in glob.glob("/sys/fs/cgroup/*/*") if os.path.isdir(p)}
+
+
 @dataclass
 class Result:
     argv: list[str]
@@ -280,6 +284,7 @@ class Bed:
     stopSeconds: float = 0.0
     _uids: dict[str, int] = field(default_factory=dict)
     _lock: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    _rootCgroups: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="agentsandbox-bed."))
@@ -291,6 +296,7 @@ class Bed:
         # Held until stop: no other run drops this tree while it is the overlay's lower dir.
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(cacheLock(self.tree.parent.parent, exclusive=False))
+        self._rootCgroups = _rootCgroups()
         stage1 = self.work / "stage1.sh"
         stage1.write_text(_STAGE1)
         self.proc = subprocess.Popen(
@@ -390,6 +396,11 @@ class Bed:
             left.append(f"process {self.pid} ({comm})")
         with open("/proc/self/mountinfo") as f:
             left += [f"mount {ln.split()[4]}" for ln in f if str(self.work) in ln]
+        # What a systemd that saw the host's hierarchies would have made at their roots
+        # (init.scope, system.slice, user.slice ...): none may appear.
+        if self._rootCgroups:
+            left += [f"cgroup {p} (new at a host root)" for p in sorted(_rootCgroups() - self._rootCgroups)
+                     if "agentsandbox-bed-" not in p]  # fmt: skip
         return left
 
     # -- inside -------------------------------------------------------------------
