@@ -36,7 +36,7 @@ from importlib import resources
 from agentsandbox import cli
 from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.files import atomicWrite
-from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, managedDir
+from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, locateDispatchSocket, managedDir
 from agentsandbox.policy import Policy, executable
 from agentsandbox.probes import Runner, firstLine, systemRunner
 
@@ -280,6 +280,14 @@ class Setup:
             self.say(f"config: using {config.served}")
         for notice in config.notices:
             self.say(f"config: not granted: {notice}")
+        dispatcher = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+        if self.socket and dispatcher is not None and os.path.exists(dispatcher):
+            # Both would own proxy.port: the user socket fails with "Address already in use".
+            raise SetupError(
+                f"--socket: this machine's dispatcher ({dispatcher}) holds proxy.port "
+                f"{config.proxy.port} for every user, so agentsandbox.socket could not bind it; "
+                "run setup without --socket: the service registers with the dispatcher"
+            )
         if self.socket and not (config.proxy.listen or "").startswith("systemd:"):
             raise SetupError(
                 f'--socket needs proxy.listen = "{SOCKET_LISTEN}" in {config.source}, so the '

@@ -235,6 +235,18 @@ def test_setup_without_a_user_manager_says_so_and_carries_on(machine: Machine) -
     assert "daemon-reload skipped" in p.stdout
 
 
+def test_setup_socket_refuses_where_the_dispatcher_holds_the_port(machine: Machine, tmp_path: Path) -> None:
+    """Issue 26: the user socket unit and the system dispatcher both want proxy.port."""
+    sock = tmp_path / "dispatch.sock"
+    sock.write_text("")
+    machine.env["AGENTSANDBOX_DISPATCH_SOCKET"] = str(sock)
+    p = machine.setup("--socket")
+    assert p.returncode != 0
+    assert f"this machine's dispatcher ({sock}) holds proxy.port 3190" in p.stderr
+    assert "run setup without --socket" in p.stderr
+    assert not (machine.user.home / ".config/systemd/user/agentsandbox.socket").exists()
+
+
 @pytest.mark.parametrize("machine", ["crashing"], indirect=True)
 def test_setup_says_when_the_service_does_not_run(machine: Machine) -> None:
     """Issue 26: a service that crash-loops after `enable --now` (no CA bundle on a minimal

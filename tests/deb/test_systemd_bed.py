@@ -218,6 +218,13 @@ def test_doctor_shows_the_user_service_and_the_user_bus(bed: Bed) -> None:
             assert found and found[0].startswith("ok"), (user, line, out)
 
 
+def test_setup_socket_says_the_user_socket_cannot_share_the_dispatchers_port(bed: Bed) -> None:
+    code, out = asUser(bed, "bob", "agentsandbox", "setup", "--socket", "--no-doctor")
+    assert code != 0 and "dispatcher (/run/agentsandbox/dispatch.sock) holds proxy.port 3190" in out, out
+    state = show(bed, "agentsandbox.socket", "LoadState", "ActiveState", user="bob")
+    assert state["ActiveState"] == "inactive", state
+
+
 def test_a_broken_install_is_reported_by_setup_and_stops_restarting(bed: Bed) -> None:
     bed.run(["useradd", "-m", "-s", "/bin/bash", BROKEN])
     bed.run(["loginctl", "enable-linger", BROKEN])
