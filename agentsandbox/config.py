@@ -303,6 +303,8 @@ class ScopeConfig:
     memory_max: str = "8G"
     memory_swap_max: str = "0"
     cpu_quota: str | None = None
+    #: Run a capped command even when its caps do not reach the kernel (with a warning).
+    allow_uncapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -1098,8 +1100,12 @@ def _parseScope(t: _Table) -> ScopeConfig:
     cpu = t.get("cpu_quota", str, "") or None
     if cpu is not None and not _PERCENT.fullmatch(cpu):
         raise t.error("cpu_quota", f"{cpu!r} is not a percentage such as 200%")
+    allowUncapped = t.get("allow_uncapped", bool, False)
     t.finish()
-    return ScopeConfig(slice=sliceName, memory_max=memMax, memory_swap_max=swapMax, cpu_quota=cpu)
+    return ScopeConfig(
+        slice=sliceName, memory_max=memMax, memory_swap_max=swapMax, cpu_quota=cpu,
+        allow_uncapped=allowUncapped,
+    )  # fmt: skip
 
 
 def _parseAudit(t: _Table, paths: Paths) -> AuditConfig:

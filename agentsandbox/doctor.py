@@ -256,6 +256,44 @@ def checkBroker(
     return Check("broker", OK, f"answers in {spool} (pid {report.get('pid', '?')})"), report
 
 
+def checkService(runner: Runner) -> Check | None:
+    """Whether the user unit runs, when a user systemd answers (None when none does).
+
+    A service that crash-loops (no CA bundle on a minimal Debian) makes the broker and
+    proxy checks fail with no word of why; this one names the unit's state and its log."""
+    name = "user service"
+    p = runner(["systemctl", "--user", "show", "-p", "LoadState,ActiveState,SubState,NRestarts,Result",
+                "agentsandbox.service"])  # fmt: skip
+    if p.returncode != 0:
+        return None
+    props = dict(line.partition("=")[::2] for line in p.stdout.splitlines())
+    load, active, sub = props.get("LoadState", ""), props.get("ActiveState", ""), props.get("SubState", "")
+    restarts = props.get("NRestarts", "0")
+    if load != "loaded" or (active == "inactive" and props.get("Result") == "success"):
+        return Check(name, OK, f"agentsandbox.service is {load or '?'}/{active or '?'} (not run by systemd)")
+    if active == "active" and sub == "running":
+        return Check(name, OK, f"agentsandbox.service is running ({restarts} restarts)")
+    return Check(
+        name, FAIL,
+        f"agentsandbox.service is {active}/{sub} after {restarts} restarts (result {props.get('Result', '?')})",
+        "its log says why: `journalctl --user -u agentsandbox -n 50`; after fixing it: "
+        "`systemctl --user reset-failed agentsandbox; systemctl --user restart agentsandbox`",
+    )  # fmt: skip
+
+
+def checkUserBus(environ: Mapping[str, str]) -> Check:
+    """The user bus `agentsandbox cap` asks systemd through (dbus-user-session on Debian)."""
+    from agentsandbox.broker import scope
+
+    problem = scope.userBusProblem(environ)
+    if problem is not None:
+        return Check(
+            "user bus", WARN, f"{problem}; `agentsandbox cap` is refused until there is one",
+            f"install {scope.USER_BUS_PACKAGE} (`sudo apt install {scope.USER_BUS_PACKAGE}`), then log in again",
+        )  # fmt: skip
+    return Check("user bus", OK, "a user bus is there for `agentsandbox cap`")
+
+
 def checkProxy(port: int, connect: Callable[[int], str | None] = connectTCP) -> Check:
     why = connect(port)
     if why is not None:
@@ -607,6 +645,10 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
         checks.append(checkAddressEntries(policy))
     checks.append(checkServerManaged(paths.claudeDir))
     if config is not None:
+        serviceCheck = checkService(inputs.runner)
+        if serviceCheck is not None:
+            checks.append(serviceCheck)
+            checks.append(checkUserBus(inputs.environ))
         brokerCheck, report = checkBroker(config.broker.spool, inputs.ask)
         checks.append(brokerCheck)
         proxyCheck = checkProxy(config.proxy.port, inputs.connect)

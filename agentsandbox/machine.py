@@ -87,6 +87,12 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         allow_tools=tools,
     )
 
+    # [scope] is the user's, but running a cap uncapped is the machine's to allow.
+    scope = user.scope if "scope" in given else machine.scope
+    if scope.allow_uncapped and not machine.scope.allow_uncapped:
+        refused("scope.allow_uncapped", True)
+        scope = replace(scope, allow_uncapped=False)
+
     proxyValues: dict[str, Any] = {}
     for field in fields(machine.proxy):
         name = field.name
@@ -112,7 +118,7 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         inject=user.inject if "inject" in given or "github" in given else machine.inject,
         inject_builtin=user.inject_builtin if "inject" in given or "github" in given else machine.inject_builtin,
         broker=user.broker if "broker" in given else machine.broker,
-        scope=user.scope if "scope" in given else machine.scope,
+        scope=scope,
         audit=user.audit if "audit" in given else machine.audit,
         run=replace(machine.run, env=runEnv),
         notices=tuple(notices),

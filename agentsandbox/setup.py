@@ -28,6 +28,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -35,7 +36,7 @@ from importlib import resources
 from agentsandbox import cli
 from agentsandbox.config import Config, ConfigError, load
 from agentsandbox.files import atomicWrite
-from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, managedDir
+from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, locateDispatchSocket, managedDir
 from agentsandbox.policy import Policy, executable
 from agentsandbox.probes import Runner, firstLine, systemRunner
 
@@ -54,6 +55,10 @@ PACKAGED_UNIT_DIRS = (
 _SHIPPED_EXEC = "ExecStart=/usr/bin/agentsandbox-twistd "
 _SHIPPED_LISTEN = "ListenStream=127.0.0.1:3190"
 SOCKET_LISTEN = "systemd:domain=INET:index=0"
+#: Seconds the service must stay running after ``enable --now`` before setup says it
+#: runs: a broken install (no CA bundle, say) starts, then exits about a second later.
+SETTLE = 3.0
+LINGER_DIR = "/var/lib/systemd/linger"
 
 
 class SetupError(Exception):
@@ -220,6 +225,11 @@ class Setup:
     bindir: str | None = None
     packagedUnitDirs: Sequence[str] = PACKAGED_UNIT_DIRS
     say: Callable[[str], None] = print
+    sleep: Callable[[float], None] = time.sleep
+    monotonic: Callable[[], float] = time.monotonic
+    lingerDir: str = LINGER_DIR
+    #: False once the service was started but is not running (setup then exits non-zero).
+    running: bool = True
 
     def __post_init__(self) -> None:
         self.paths = Paths.fromEnvironment(self.environ)
@@ -270,6 +280,14 @@ class Setup:
             self.say(f"config: using {config.served}")
         for notice in config.notices:
             self.say(f"config: not granted: {notice}")
+        dispatcher = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
+        if self.socket and dispatcher is not None and os.path.exists(dispatcher):
+            # Both would own proxy.port: the user socket fails with "Address already in use".
+            raise SetupError(
+                f"--socket: this machine's dispatcher ({dispatcher}) holds proxy.port "
+                f"{config.proxy.port} for every user, so agentsandbox.socket could not bind it; "
+                "run setup without --socket: the service registers with the dispatcher"
+            )
         if self.socket and not (config.proxy.listen or "").startswith("systemd:"):
             raise SetupError(
                 f'--socket needs proxy.listen = "{SOCKET_LISTEN}" in {config.source}, so the '
@@ -320,11 +338,55 @@ class Setup:
         ok, why = self.systemctl("enable", "--now", *units)
         if not ok:
             self.say(f"systemd: `systemctl --user enable --now {' '.join(units)}` failed: {why}")
+            self.running = self.verifyRunning(SERVICE)
             return
         for u in units:
             if not before[u] and u not in self.record.enabled:
                 self.record.enabled.append(u)
         self.say(f"systemd: enabled and started {', '.join(units)}")
+        self.running = self.verifyRunning(SERVICE)
+        if self.running:
+            self.sayLinger()
+
+    def verifyRunning(self, unit: str) -> bool:
+        """Whether ``unit`` is still running ``SETTLE`` seconds after it started; says why not."""
+        deadline = self.monotonic() + SETTLE
+        while True:
+            p = self.runner(["systemctl", "--user", "show", "-p",
+                             "ActiveState,SubState,NRestarts,Result,ActiveEnterTimestampMonotonic", unit])  # fmt: skip
+            props = dict(line.partition("=")[::2] for line in p.stdout.splitlines())
+            active, sub = props.get("ActiveState", "?"), props.get("SubState", "?")
+            restarts = int(props["NRestarts"]) if props.get("NRestarts", "").isdigit() else 0
+            since = props.get("ActiveEnterTimestampMonotonic", "")
+            broken = restarts > 0 or active in ("failed", "inactive", "deactivating") or sub == "auto-restart"
+            if not broken and active == "active" and sub == "running":
+                if since.isdigit() and int(since) > 0 and self.monotonic() - int(since) / 1e6 >= SETTLE:
+                    return True
+                if self.monotonic() >= deadline:
+                    return True
+            elif broken or self.monotonic() >= deadline:
+                break
+            self.sleep(0.25)
+        log = self.runner(["journalctl", "--user", "-u", unit, "-n", "5", "--no-pager", "-o", "cat"])
+        lines = [ln for ln in log.stdout.splitlines() if ln.strip()][-5:]
+        self.say(
+            f"systemd: {unit} is NOT running {SETTLE:g} s after it started ({active}/{sub}, "
+            f"{restarts} restarts, result {props.get('Result', '?')}).\n"
+            + "".join(f"    | {ln}\n" for ln in lines)
+            + f"  Its log says why: journalctl --user -u {unit} -n 50\n"
+            f"  Then: systemctl --user status {unit}; after fixing it: systemctl --user restart {unit}"
+        )
+        return False
+
+    def sayLinger(self) -> None:
+        user = self.environ.get("USER") or self.environ.get("LOGNAME")
+        if not user or os.path.exists(os.path.join(self.lingerDir, user)):
+            return
+        self.say(
+            "systemd: linger is off for this user, so the service stops about 10 s after your last "
+            "session ends (sessions started later start it again). To keep it running, for agents "
+            f"that run without a login: loginctl enable-linger {user}"
+        )
 
     def dispatcher(self, config: Config) -> None:
         """On a package machine whose dispatcher does not run, say how the admin starts it
@@ -445,8 +507,10 @@ def setupMain(argv: list[str]) -> int:
         print(f"agentsandbox setup: {e}", file=sys.stderr)
         return e.status
     print(f"recorded in {setup.recordPath} (`agentsandbox uninstall` undoes it)")
+    if not setup.running:
+        print(f"agentsandbox setup: {SERVICE} does not run (above: why, and where to look)", file=sys.stderr)
     if args.no_doctor:
-        return 0
+        return 0 if setup.running else 1
     print("\ndoctor:")
     from agentsandbox import doctor
 
@@ -454,7 +518,7 @@ def setupMain(argv: list[str]) -> int:
     inputs.managedDir = args.managed_dir
     checks = doctor.diagnose(None, inputs)
     sys.stdout.write(doctor.report(checks))
-    return doctor.exitStatus(checks)
+    return doctor.exitStatus(checks) or (0 if setup.running else 1)
 
 
 # --------------------------------------------------------------------------- uninstall

@@ -170,6 +170,7 @@ let
       memory_max = opt types.str "MemoryMax= of a capped run (bytes, K/M/G/T, or infinity).";
       memory_swap_max = opt types.str "MemorySwapMax= of a capped run.";
       cpu_quota = opt (types.strMatching "[0-9]+%") "CPUQuota= of a capped run, e.g. `200%`.";
+      allow_uncapped = opt types.bool "Run a capped command even when its caps do not reach the kernel (a cgroup v1 host, controllers not delegated to the user manager), with a warning; otherwise it is refused.";
     };
     audit = {
       file = opt pathStr "The decision log. Unset: `~/.local/state/agentsandbox/audit.jsonl`.";

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -101,7 +102,66 @@ def test_userBusProblem(tmp_path: os.PathLike[str]) -> None:
     missing = scope.userBusProblem({"XDG_RUNTIME_DIR": str(tmp_path)}) or ""
     assert f"no user bus at {tmp_path}/bus" in missing
     assert "loginctl enable-linger" in missing
-    assert scope.userBusProblem({"DBUS_SESSION_BUS_ADDRESS": "unix:path=/x"}) is None
+    # An address systemd set with no bus behind it (no dbus-user-session) is no bus.
+    absent = scope.userBusProblem({"DBUS_SESSION_BUS_ADDRESS": "unix:path=/x"}) or ""
+    assert "no user bus at /x" in absent and "dbus-user-session" in absent
+    bus = os.path.join(str(tmp_path), "bus")
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(bus)
+    listening.listen(1)
+    try:
+        assert scope.userBusProblem({"DBUS_SESSION_BUS_ADDRESS": f"unix:path={bus}"}) is None
+        assert scope.userBusProblem({"XDG_RUNTIME_DIR": str(tmp_path)}) is None
+    finally:
+        listening.close()
+    assert scope.userBusProblem({"DBUS_SESSION_BUS_ADDRESS": "unix:abstract=/x"}) is None
+    assert "dbus-user-session" in scope.busHint("Failed to connect to bus: No such file or directory")
+    assert scope.busHint("Unit exists") == "Unit exists"
+
+
+_UNIT = "agentsandbox-cap-7-abc123.scope"
+_CAPS = scope.Caps(slice="agentsandbox.slice", memoryMax=64 << 20, memorySwapMax=0, cpuPercent=None)
+
+
+def _tree(root: str, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    return root
+
+
+def test_capProblem_v1_user_manager_is_not_enforced(tmp_path: os.PathLike[str]) -> None:
+    """cgroup v1: systemd keeps a user scope's processes in the user's memory cgroup."""
+    user = "/user.slice/user-1000.slice/user@1000.service"
+    text = f"4:memory:/user.slice/user-1000.slice\n1:name=systemd:{user}/agentsandbox.slice/{_UNIT}\n0::{user}/agentsandbox.slice/{_UNIT}\n"
+    root = _tree(str(tmp_path), {"memory/user.slice/user-1000.slice/memory.limit_in_bytes": "9223372036854771712\n"})
+    problem = scope.capProblem(text, _UNIT, _CAPS, root) or ""
+    assert "MemoryMax" in problem and "not in " + _UNIT in problem and "cgroup v1" in problem
+
+
+def test_capProblem_v1_system_scope_is_enforced(tmp_path: os.PathLike[str]) -> None:
+    text = f"4:memory:/agentsandbox.slice/{_UNIT}\n"
+    root = _tree(str(tmp_path), {f"memory/agentsandbox.slice/{_UNIT}/memory.limit_in_bytes": f"{64 << 20}\n"})
+    assert scope.capProblem(text, _UNIT, _CAPS, root) is None
+    _tree(root, {f"memory/agentsandbox.slice/{_UNIT}/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert "not the cap" in (scope.capProblem(text, _UNIT, _CAPS, root) or "")
+
+
+def test_capProblem_v2(tmp_path: os.PathLike[str]) -> None:
+    path = f"/user.slice/user-1000.slice/user@1000.service/agentsandbox.slice/{_UNIT}"
+    text = f"0::{path}\n"
+    root = _tree(str(tmp_path), {"cgroup.controllers": "cpu memory pids\n"})
+    # The user manager was not given the memory controller: the scope has no memory.max.
+    assert "does not exist" in (scope.capProblem(text, _UNIT, _CAPS, root) or "")
+    _tree(root, {path.lstrip("/") + "/memory.max": f"{64 << 20}\n"})
+    assert scope.capProblem(text, _UNIT, _CAPS, root) is None
+    cpu = scope.Caps(slice="s.slice", memoryMax=scope.INFINITY, memorySwapMax=0, cpuPercent=150)
+    _tree(root, {path.lstrip("/") + "/cpu.max": "max 100000\n"})
+    assert "CPUQuota" in (scope.capProblem(text, _UNIT, cpu, root) or "")
+    _tree(root, {path.lstrip("/") + "/cpu.max": "150000 100000\n"})
+    assert scope.capProblem(text, _UNIT, cpu, root) is None
 
 
 def test_scopeConfigIsStrict(tmp_path: os.PathLike[str]) -> None:
@@ -111,6 +171,7 @@ def test_scopeConfigIsStrict(tmp_path: os.PathLike[str]) -> None:
         ({"memory_max": "lots"}, "scope.memory_max"),
         ({"memory_swap_max": "1.5G"}, "scope.memory_swap_max"),
         ({"cpu_quota": "fast"}, "scope.cpu_quota"),
+        ({"allow_uncapped": "yes"}, "scope.allow_uncapped"),
     ):
         with pytest.raises(ConfigError, match=why.replace(".", r"\.")):
             makeConfig(base, scope=table)

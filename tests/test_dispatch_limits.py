@@ -89,7 +89,7 @@ class QuestionsWithoutReadingTests(TestCase):
         base = Path(tempfile.mkdtemp(prefix="dispatch-unread-"))
         path = str(base / "dispatch.sock")
         # This process registers: root's when the suite runs as root.
-        service = makeService(reactor, 0, path, serveRoot=True)
+        service = makeService(reactor, 0, path, serveRoot=True, holdAfterStart=0)
         service.startService()
         self.addCleanup(service.stopService)
         sock = socket.socket(socket.AF_UNIX)
@@ -160,7 +160,7 @@ class RefusalSlotsTests(TestCase):
         owners = _Owners()
         clock: Any = Clock()  # the refusals' timers never fire here
         base = Path(tempfile.mkdtemp(prefix="dispatch-slots-"))
-        service = makeService(reactor, 0, str(base / "d.sock"), owners=owners, clock=clock)
+        service = makeService(reactor, 0, str(base / "d.sock"), owners=owners, clock=clock, holdAfterStart=0)
         dispatcher = service.dispatcher
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
@@ -204,6 +204,76 @@ class RefusalSlotsTests(TestCase):
         self.assertEqual(dispatcher.refusingByUid[2001], REFUSING_PER_UID - 5)
         accept(2001)
         self.assertEqual(dispatcher.refusingByUid[2001], REFUSING_PER_UID - 4)
+
+
+class HoldAfterStartTests(TestCase):
+    """Issue 26: after a dispatcher restart the services register again within about a
+    second; a connection that waited in the socket's backlog meanwhile is held for its
+    uid's service, not refused, and a uid that does not register gets its 503 once the
+    hold is over."""
+
+    def test_a_connection_before_its_service_registers_is_held_then_handed_on(self) -> None:
+        owners = _Owners()
+        clock: Any = Clock()
+        base = Path(tempfile.mkdtemp(prefix="dispatch-hold-"))
+        service = makeService(reactor, 0, str(base / "d.sock"), owners=owners, clock=clock, holdAfterStart=5, serveRoot=True)
+        dispatcher = service.dispatcher
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        opened: list[socket.socket] = [listener]
+
+        def closeAll() -> None:
+            for s in opened:
+                s.close()
+
+        self.addCleanup(closeAll)
+        self.addCleanup(dispatcher.closeAll)
+        me = os.getuid()
+
+        def accept(uid: int) -> socket.socket:
+            client, accepted = _connected(listener)
+            opened.append(client)
+            owners.uids[client.getsockname()[1]] = uid
+            dispatcher.connectionsAccepted([(accepted, client.getsockname(), listener.getsockname())])
+            return client
+
+        mine = accept(me)
+        theirs = accept(me + 1)
+        self.assertEqual(dispatcher.status()["held"], 2)
+        self.assertEqual(dispatcher.refusing, set())
+        clock.advance(1.5)
+        # This uid's service registers: the held connection goes to it.
+        ours, dispatchers = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        opened += [ours, dispatchers]
+        registration = Client(dispatcher, dispatchers)
+        dispatcher.clients.add(registration)
+        dispatcher.register(registration)
+        ours.settimeout(5)
+        data, fds, _, _ = socket.recv_fds(ours, 65536, 4)
+        self.assertIn(b'"registered"', data)
+        if not fds:
+            data, fds, _, _ = socket.recv_fds(ours, 65536, 4)
+        self.assertEqual(len(fds), 1)
+        handed = socket.socket(fileno=fds[0])
+        opened.append(handed)
+        mine.sendall(b"x")
+        handed.settimeout(5)
+        self.assertEqual(handed.recv(1), b"x")
+        self.assertEqual(dispatcher.status()["heldThenHanded"], 1)
+        # The other uid never registers: its 503 comes when the hold is over, not before.
+        self.assertEqual(dispatcher.refusing, set())
+        clock.advance(3.5)
+        self.assertEqual(dispatcher.status()["held"], 0)
+        theirs.sendall(b"GET http://example.org/ HTTP/1.1\r\nHost: example.org\r\n\r\n")
+        for refusal in list(dispatcher.refusing):
+            refusal.doRead()
+        theirs.settimeout(5)
+        self.assertTrue(theirs.recv(65536).startswith(b"HTTP/1.1 503"))
+        # After the hold, a uid without a service is refused at once.
+        accept(me + 2)
+        self.assertEqual(dispatcher.status()["held"], 0)
+        self.assertEqual(len(dispatcher.refusing), 2)
 
 
 # --------------------------------------------------------------------------- two real users

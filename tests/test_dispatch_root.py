@@ -196,7 +196,7 @@ class RefusedRegistrationTests(TestCase):
         service's clock after ``REFUSED_RETRY``, not on the 1 s loss backoff."""
         base = Path(tempfile.mkdtemp(prefix="dispatch-refused-"))
         path = str(base / "dispatch.sock")
-        service = makeService(reactor, 0, path, serveRoot=False, configSource="/etc/agentsandbox/config.toml")
+        service = makeService(reactor, 0, path, serveRoot=False, configSource="/etc/agentsandbox/config.toml", holdAfterStart=0)
         service.startService()
         self.addCleanup(service.stopService)
         clock: Any = Clock()

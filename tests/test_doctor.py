@@ -14,7 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -557,3 +557,34 @@ def test_status_without_a_service(user: User) -> None:
     user.writeConfig("[broker]\nspool = 3\n")
     assert _cli(env, "status").returncode == 2
 
+
+
+def _shows(stdout: str, code: int = 0) -> probes.Runner:
+    def run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(list(argv), code, stdout, "")
+
+    return run
+
+
+def test_the_user_service_check_names_a_crash_loop_and_its_journal() -> None:
+    """Issue 26: a crash-looping service made doctor blame the broker with no word of why."""
+    looping = doctor.checkService(_shows("LoadState=loaded\nActiveState=activating\nSubState=auto-restart\nNRestarts=7\nResult=exit-code\n"))
+    assert looping is not None and looping.failed
+    assert "activating/auto-restart after 7 restarts" in looping.detail
+    assert looping.fix is not None and "journalctl --user -u agentsandbox" in looping.fix
+    running = doctor.checkService(_shows("LoadState=loaded\nActiveState=active\nSubState=running\nNRestarts=0\nResult=success\n"))
+    assert running is not None and running.status == doctor.OK
+    assert doctor.checkService(_shows("", code=1)) is None  # no user manager answers: no check
+
+
+def test_the_user_bus_check_names_dbus_user_session(tmp_path: Path) -> None:
+    check = doctor.checkUserBus({"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert check.status == doctor.WARN and not check.failed
+    assert check.fix is not None and "dbus-user-session" in check.fix
+    bus = socket.socket(socket.AF_UNIX)
+    bus.bind(str(tmp_path / "bus"))
+    bus.listen(1)
+    try:
+        assert doctor.checkUserBus({"XDG_RUNTIME_DIR": str(tmp_path)}).status == doctor.OK
+    finally:
+        bus.close()

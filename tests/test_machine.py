@@ -340,3 +340,13 @@ def test_the_built_in_github_rule_follows_the_narrowed_allow_list(user: User, ma
     assert narrowed.inject_builtin and narrowed.inject == ()
     user.writeConfig('inject = []\n')
     assert not load(None, user.env).inject_builtin
+
+
+def test_running_a_cap_uncapped_is_the_machines_to_allow(user: User, machineFile: MachineConfig) -> None:
+    machineFile.write(MACHINE)
+    user.writeConfig('[scope]\nmemory_max = "2G"\nallow_uncapped = true\n')
+    config = load(None, user.env)
+    assert config.scope.memory_max == "2G" and config.scope.allow_uncapped is False
+    assert "scope.allow_uncapped = True is not granted" in config.notices[0]
+    machineFile.write(MACHINE + '\n[scope]\nallow_uncapped = true\n')
+    assert load(None, user.env).scope.allow_uncapped is True

@@ -34,6 +34,14 @@ if [ "$2" = is-enabled ]; then
   if [ "$mode" = enabled ]; then echo enabled; exit 0; fi
   echo disabled; exit 1
 fi
+if [ "$2" = show ]; then
+  if [ "$mode" = crashing ]; then
+    printf 'ActiveState=activating\nSubState=auto-restart\nNRestarts=3\nResult=exit-code\nActiveEnterTimestampMonotonic=0\n'
+  else
+    printf 'ActiveState=active\nSubState=running\nNRestarts=0\nResult=success\nActiveEnterTimestampMonotonic=1\n'
+  fi
+  exit 0
+fi
 if [ "$mode" = faildisable ] && [ "$2" = disable ]; then echo "Failed to disable unit: Access denied" >&2; exit 1; fi
 exit 0
 """
@@ -78,7 +86,9 @@ class Machine:
     def calls(self) -> list[list[str]]:
         if not self.log.exists():
             return []
-        return [line.rstrip("\t").split("\t") for line in self.log.read_text().splitlines()]
+        # `show` is setup's look at the started service (test_setup_says_when_the_service_does_not_run).
+        calls = [line.rstrip("\t").split("\t") for line in self.log.read_text().splitlines()]
+        return [c for c in calls if c[1:2] != ["show"]]
 
     @property
     def paths(self) -> Paths:
@@ -223,6 +233,29 @@ def test_setup_without_a_user_manager_says_so_and_carries_on(machine: Machine) -
     assert machine.snapshot() == before
     assert machine.calls()[-1] == ["--user", "daemon-reload"]  # tried, and said why it was skipped
     assert "daemon-reload skipped" in p.stdout
+
+
+def test_setup_socket_refuses_where_the_dispatcher_holds_the_port(machine: Machine, tmp_path: Path) -> None:
+    """Issue 26: the user socket unit and the system dispatcher both want proxy.port."""
+    sock = tmp_path / "dispatch.sock"
+    sock.write_text("")
+    machine.env["AGENTSANDBOX_DISPATCH_SOCKET"] = str(sock)
+    p = machine.setup("--socket")
+    assert p.returncode != 0
+    assert f"this machine's dispatcher ({sock}) holds proxy.port 3190" in p.stderr
+    assert "run setup without --socket" in p.stderr
+    assert not (machine.user.home / ".config/systemd/user/agentsandbox.socket").exists()
+
+
+@pytest.mark.parametrize("machine", ["crashing"], indirect=True)
+def test_setup_says_when_the_service_does_not_run(machine: Machine) -> None:
+    """Issue 26: a service that crash-loops after `enable --now` (no CA bundle on a minimal
+    Debian) is not reported as started; setup says where to look and exits non-zero."""
+    p = machine.setup()
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "agentsandbox.service is NOT running 3 s after it started (activating/auto-restart, 3 restarts" in p.stdout
+    assert "journalctl --user -u agentsandbox.service" in p.stdout
+    assert "does not run" in p.stderr
 
 
 def test_setup_enables_the_unit_and_uninstall_reverses_exactly(machine: Machine) -> None:

@@ -282,6 +282,10 @@ def capMain(argv: list[str]) -> int:
     if isinstance(reply, int):
         return reply
     unit = reply.out.decode("utf-8", "replace").strip()
+    if reply.err:
+        # The broker ran it uncapped on scope.allow_uncapped: said loudly, every time.
+        sys.stderr.write(reply.err.decode("utf-8", "replace"))
+        sys.stderr.flush()
     if os.environ.get("AGENTSANDBOX_CAP_VERBOSE"):
         _say("cap", f"running in {unit}")
     try:

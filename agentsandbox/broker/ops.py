@@ -83,6 +83,8 @@ class Host:
     running: set[Deferred[Any]] = field(default_factory=set)
     #: The proxy's ``egress.sessions.SessionRegistry`` (None: a broker without a proxy).
     sessions: Any = None
+    #: Where the cgroup hierarchies are mounted (the scope op reads its caps there).
+    cgroupRoot: str = "/sys/fs/cgroup"
 
 
 @dataclass
@@ -577,17 +579,33 @@ class Scope:
         )
         if result.code != 0 or result.timedOut:
             why = result.err.decode("utf-8", "replace").strip() or f"exit {result.code}"
-            raise OpError(f"the user systemd did not start {unit}: {why}")
+            raise OpError(f"the user systemd did not start {unit}: {scopes.busHint(why)}")
         from agentsandbox.broker.procfs import cgroupOf
 
         waited = 0.0
         while waited < SCOPE_SETTLE:
             text = await host.inThread(cgroupOf, host.procDir, pid)
             if scopes.inScope(text, unit):
-                return Reply(out=unit.encode() + b"\n")
+                return await self._enforced(caps, unit, text, host)
             await _sleep(host.clock, SCOPE_POLL)
             waited += SCOPE_POLL
         raise OpError(f"process {pid} is not in {unit} after {SCOPE_SETTLE:g}s")
+
+    async def _enforced(self, caps: scopes.Caps, unit: str, cgroupText: str, host: Host) -> Reply:
+        """The reply once the scope exists: refused unless its caps reached the kernel."""
+        problem = await host.inThread(scopes.capProblem, cgroupText, unit, caps, host.cgroupRoot)
+        if problem is None:
+            return Reply(out=unit.encode() + b"\n")
+        if not host.config.scope.allow_uncapped:
+            raise OpError(
+                f"{unit} was made but its caps do not reach the kernel, so the command would run "
+                f"uncapped: {problem} (scope.allow_uncapped = true runs it anyway, with a warning)"
+            )
+        warning = (
+            f"agentsandbox cap: WARNING: running UNCAPPED: {unit} was made but its caps do not "
+            f"reach the kernel: {problem} (scope.allow_uncapped = true lets it run)\n"
+        )
+        return Reply(out=unit.encode() + b"\n", err=warning.encode())
 
 
 def _sleep(clock: IReactorTime, seconds: float) -> Deferred[None]:

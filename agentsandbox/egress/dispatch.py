@@ -11,7 +11,12 @@ instead of binding the port.  For each accepted TCP connection the dispatcher
    registered, and closes its own copy, **before reading any byte**;
 3. or, when that uid has no service, answers in the client's own protocol (the
    first byte, peeked: SOCKS5 gets a general-failure reply, anything else an
-   HTTP 503 naming the uid and the fix) and logs one line.
+   HTTP 503 naming the uid and the fix) and logs one line.  For ``HOLD_AFTER_START``
+   seconds after the dispatcher's own start a connection of a uid without a
+   registration is held instead (at most ``MAX_HELD`` of them), and handed on
+   when that uid's service registers: after a dispatcher restart every
+   service registers again within about a second, and the connections systemd
+   kept in the socket's backlog meanwhile must not get the 503.
 
 The registration's uid comes from ``SO_PEERCRED`` alone, never from anything
 the client sends.  One registration per uid: a new one replaces the old (which
@@ -85,6 +90,14 @@ MAX_REFUSING = 1024
 #: Bytes of an unserved client's request read (and dropped) so that closing
 #: does not reset the connection before it read the refusal.
 DRAIN_LIMIT = 64 * 1024
+#: Seconds after the dispatcher's own start during which a connection of a uid
+#: without a registration is held for it rather than refused: services register
+#: again 0.5-1.1 s after a dispatcher restart and 1.5-1.7 s after a kill
+#: (measured under systemd, with the socket unit keeping the port), so 5 s covers
+#: them with room, and a uid that has no service waits at most this long for its 503.
+HOLD_AFTER_START = 5.0
+#: Connections held that way, all uids together; past it they get the 503 at once.
+MAX_HELD = 1024
 #: Connections accepted per readiness event of a listening socket.
 ACCEPT_BATCH = 64
 #: Descriptors sent in one ``SCM_RIGHTS`` message (the kernel allows 253): the
@@ -654,6 +667,7 @@ class Dispatcher:
         speakTimeout: float = SPEAK_TIMEOUT,
         serveRoot: bool = False,
         configSource: str = "the dispatcher's config",
+        holdAfterStart: float = HOLD_AFTER_START,
     ) -> None:
         from agentsandbox.egress.peer import SocketTable
 
@@ -677,6 +691,14 @@ class Dispatcher:
         self.allAtBound = False
         self.ports: list[str] = []
         self.started = time.time()
+        #: Connections of uids without a registration, held until ``HOLD_AFTER_START``
+        #: seconds after this start (``holdUntil`` on ``clock``), by uid.
+        self.held: dict[int, list[socket.socket]] = {}
+        self.heldTotal = 0
+        self.heldThenHanded = 0
+        self.holdAfterStart = holdAfterStart
+        self.holdUntil = self.clock.seconds() + holdAfterStart
+        self.holdTimer: Any = None
         self.handedOff = 0
         self.unserved: Counter[int] = Counter()
         self.unknownPeers = 0
@@ -733,6 +755,17 @@ class Dispatcher:
             )  # fmt: skip
         else:
             log.info("uid {uid} registered (pid {pid})", uid=client.uid, pid=client.pid)
+        held = self.held.pop(client.uid, [])
+        if held:
+            self.heldTotal -= len(held)
+            log.info("uid {uid}: {n} connections held since the dispatcher started handed on", uid=client.uid, n=len(held))
+            for conn in held:
+                if client.handOff(conn, now=False):
+                    self.handedOff += 1
+                    self.heldThenHanded += 1
+                else:
+                    self.refuse(conn, client.uid)
+            client.flush()
 
     def clientClosed(self, client: Client, unsent: list[socket.socket], why: str | None) -> None:
         """``client`` is closed (or refused and closing): drop its registration, re-route ``unsent``."""
@@ -788,9 +821,35 @@ class Dispatcher:
                 continue
             if registration is not None:
                 log.warn("uid {uid}'s service is not taking connections ({n} queued)", uid=uid, n=registration.queued)
+            elif self.hold(conn, uid):
+                continue
             self.refuse(conn, uid)
         for registration in due:
             registration.flush()
+
+    def hold(self, conn: socket.socket, uid: int) -> bool:
+        """Keep ``conn`` for ``uid``'s service while the dispatcher has just started; False past it."""
+        now = self.clock.seconds()
+        if now >= self.holdUntil or self.heldTotal >= MAX_HELD:
+            return False
+        self.held.setdefault(uid, []).append(conn)
+        self.heldTotal += 1
+        if self.holdTimer is None:
+            self.holdTimer = self.clock.callLater(self.holdUntil - now, self.holdOver)
+        return True
+
+    def holdOver(self) -> None:
+        """The hold after start is over: whatever is still held gets the 503."""
+        self.holdTimer = None
+        held, self.held, self.heldTotal = self.held, {}, 0
+        for uid, conns in sorted(held.items()):
+            log.info(
+                "uid {uid} did not register within {s:g} s of the dispatcher's start; "
+                "{n} held connections get the 503",
+                uid=uid, s=self.holdAfterStart, n=len(conns),
+            )  # fmt: skip
+            for conn in conns:
+                self.refuse(conn, uid)
 
     def refuse(self, conn: socket.socket, uid: int | None) -> None:
         if uid is not None:
@@ -847,9 +906,18 @@ class Dispatcher:
             "closedPeers": self.closedPeers,
             "refusedClients": self.badClients,
             "servesRoot": self.serveRoot,
+            "held": self.heldTotal,
+            "heldThenHanded": self.heldThenHanded,
         }
 
     def closeAll(self) -> None:
+        if self.holdTimer is not None and self.holdTimer.active():
+            self.holdTimer.cancel()
+        self.holdTimer = None
+        for conns in self.held.values():
+            for conn in conns:
+                conn.close()
+        self.held, self.heldTotal = {}, 0
         for client in list(self.clients):
             client.close("the dispatcher is stopping")
         for refusal in list(self.refusing):
@@ -938,10 +1006,11 @@ class DispatchService(MultiService):
         createdSocket: str | None = None,
         serveRoot: bool = False,
         configSource: str = "the dispatcher's config",
+        holdAfterStart: float = HOLD_AFTER_START,
     ) -> None:
         super().__init__()
         self.reactor = reactor
-        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout, serveRoot, configSource)
+        self.dispatcher = Dispatcher(reactor, owners, clock, speakTimeout, serveRoot, configSource, holdAfterStart)
         for sock in tcp:
             local = _address(sock.getsockname())
             self.dispatcher.ports.append(_showAddress(local))
@@ -1198,6 +1267,11 @@ def main(argv: list[str]) -> int:
         "--speak-timeout", type=float, default=SPEAK_TIMEOUT, metavar="SECONDS",
         help=f"how long a registration-socket client may stay silent before it is closed (default {SPEAK_TIMEOUT:g})",
     )  # fmt: skip
+    parser.add_argument(
+        "--hold-after-start", type=float, default=HOLD_AFTER_START, metavar="SECONDS",
+        help="how long after its start a connection of a user without a registered service is held "
+        f"for that service to register (after a restart) before its 503 (default {HOLD_AFTER_START:g}; 0: never)",
+    )  # fmt: skip
     parser.add_argument("--status", action="store_true", help="ask the running dispatcher for its status, then exit")
     parser.add_argument("--json", action="store_true", help="with --status: print it as JSON")
     args = parser.parse_args(argv)
@@ -1221,6 +1295,9 @@ def main(argv: list[str]) -> int:
     if not args.speak_timeout > 0:
         print("agentsandbox dispatch: --speak-timeout must be positive", file=sys.stderr)
         return 2
+    if not 0 <= args.hold_after_start <= 60:
+        print("agentsandbox dispatch: --hold-after-start must be from 0 to 60 seconds", file=sys.stderr)
+        return 2
     # Read under socket activation too: whether root may register is the
     # machine's decision, and the sockets systemd passes do not say it.
     from agentsandbox.config import BUILTIN
@@ -1233,11 +1310,14 @@ def main(argv: list[str]) -> int:
         source = f"the built-in defaults (no config file was found; the machine's is {SYSTEM_CONFIG})"
     return _run(
         port or DEFAULT_PROXY_PORT, path, activated, args.speak_timeout,
-        serveRoot=config.proxy.dispatch_root, configSource=source,
+        serveRoot=config.proxy.dispatch_root, configSource=source, holdAfterStart=args.hold_after_start,
     )  # fmt: skip
 
 
-def _run(port: int, path: str, activated: bool, speakTimeout: float, serveRoot: bool, configSource: str) -> int:
+def _run(
+    port: int, path: str, activated: bool, speakTimeout: float, serveRoot: bool, configSource: str,
+    holdAfterStart: float = HOLD_AFTER_START,
+) -> int:
     from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
@@ -1245,7 +1325,10 @@ def _run(port: int, path: str, activated: bool, speakTimeout: float, serveRoot: 
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout, timeFormat="%H:%M:%S")], redirectStandardIO=False)
     _raiseDescriptorLimit()
     try:
-        service = makeService(reactor, port, path, speakTimeout=speakTimeout, serveRoot=serveRoot, configSource=configSource)
+        service = makeService(
+            reactor, port, path, speakTimeout=speakTimeout, serveRoot=serveRoot, configSource=configSource,
+            holdAfterStart=holdAfterStart,
+        )
     except DispatchStartError as e:
         print(f"agentsandbox dispatch: {e}", file=sys.stderr)
         return 1

@@ -87,7 +87,7 @@ def freePort() -> int:
 class DispatchWorld:
     """A dispatcher (as nobody) and per-user services, all under ``base``."""
 
-    def __init__(self, base: str, speakTimeout: float = 1.0, serveRoot: bool = False) -> None:
+    def __init__(self, base: str, speakTimeout: float = 1.0, serveRoot: bool = False, holdAfterStart: float = 0.0) -> None:
         self.base = base
         #: The dispatcher's ``proxy.dispatch_root``: whether root's service may register.
         self.serveRoot = serveRoot
@@ -97,6 +97,9 @@ class DispatchWorld:
         os.chown(self.socketDir, 65534, 65534)
         self.socket = os.path.join(self.socketDir, "dispatch.sock")
         self.speakTimeout = speakTimeout
+        #: 0 by default: these tests start the dispatcher and want a user without a
+        #: service refused at once; the hold after a restart has its own tests.
+        self.holdAfterStart = holdAfterStart
         self.dispatcher: ServiceProcess | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.dirs: dict[str, UserDirs] = {}
@@ -116,6 +119,7 @@ class DispatchWorld:
         argv = [
             *NOBODY, sys.executable, "-m", "agentsandbox", "dispatch", "--config", self.dispatcherConfig(),
             "--port", str(self.port), "--socket", self.socket, "--speak-timeout", str(self.speakTimeout),
+            "--hold-after-start", str(self.holdAfterStart),
         ]  # fmt: skip
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "LANG": "C.UTF-8", "HOME": "/"}
         self.dispatcher = ServiceProcess(argv, env, self.base, os.path.join(self.base, f"dispatcher-{freePort()}.log"))
