@@ -29,6 +29,7 @@ from tests.support.claude_harness import (
     pinnedClaude,
     runClaude,
     tempLeftoversRemoved,
+    writeLauncher,
 )
 from tests.support.dispatch_world import (
     REGISTERED,
@@ -88,10 +89,15 @@ def test_claude_code_as_user_a_through_the_dispatcher(userA: UnixUser) -> None:
         wrapper = Path(top) / "claude-as-a"
         wrapper.write_text(f'#!/bin/sh\nexec {" ".join(userA.argv(claude))} "$@"\n')
         wrapper.chmod(0o755)
+        # The drop-in's programs must be root's alone (install refuses a user's,
+        # which every user's sessions would run): a launcher and helper outside A's tree.
+        (Path(top) / "bin").mkdir(mode=0o755)
+        rootLauncher = writeLauncher(Path(top) / "bin" / "agentsandbox")
         with ManagedSettingsGuard(), tempLeftoversRemoved(), mockAPI() as api:
             installed = subprocess.run(
-                [str(world.launcher), "install", "--managed-dir", str(MANAGED_ROOT)],
-                env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                [str(rootLauncher), "install", "--managed-dir", str(MANAGED_ROOT)],
+                env={**env, "AGENTSANDBOX_EXE": str(rootLauncher)}, capture_output=True, text=True, timeout=60,
+                stdin=subprocess.DEVNULL,
             )  # fmt: skip
             assert installed.returncode == 0, installed.stderr
             command = f"{BRIDGES_UP}curl -sS --noproxy '' http://127.0.0.1:{site.port}/via-dispatcher"
