@@ -379,12 +379,17 @@ _FIND_SCOPE = (
 
 
 def test_cap_makes_a_scope_with_the_property_and_warns_loudly_when_allowed_uncapped(bed: Bed) -> None:
+    # Running a cap uncapped is the machine's to allow (a user's file cannot): the admin
+    # says so for this test (a copy of the file is put back below).
+    bed.run(["cp", "/etc/agentsandbox/config.toml", "/etc/agentsandbox/config.toml.before-uncapped"])
+    bed.run(["sh", "-c", "printf '\\n[scope]\\nallow_uncapped = true\\n' >> /etc/agentsandbox/config.toml"])
     writeAs(bed, "bob", "/home/bob/.config/agentsandbox/config.toml", userConfig("bob", "[scope]\nallow_uncapped = true\n"))
     bed.run(["systemctl", "--user", "restart", "agentsandbox.service"], user="bob")
     time.sleep(2)
     code, out = asUser(bed, "bob", "agentsandbox", "cap", "--memory", "64M", "--", "python3", "-c", _FIND_SCOPE)
     assert code == 0, out
     assert "MemoryMax=67108864" in out and "ActiveState=active" in out, out
+    bed.run(["mv", "/etc/agentsandbox/config.toml.before-uncapped", "/etc/agentsandbox/config.toml"])
     if _hostEnforcesUserCaps(bed, "bob") is not None:
         assert "WARNING: running UNCAPPED" in out and "scope.allow_uncapped" in out, out
     else:
