@@ -178,12 +178,13 @@ def test_a_users_github_table_is_their_inject_rule(user: User, machineFile: Mach
 
 def test_the_narrowed_layout_is_checked_again(user: User, machineFile: MachineConfig) -> None:
     """A user's read and write may each be granted yet nest in a way the sandbox cannot mount."""
-    machineFile.write('[sandbox]\nread = ["~/a"]\nwrite = ["~/a"]\n')
-    user.writeConfig('[sandbox]\nread = ["~/a/b"]\nwrite = ["~/a"]\n')
-    try:
+    # ~/a is the machine's to write; the user reads all of it and writes only ~/a/w,
+    # both granted, and the sandbox would mount ~/a read-only over ~/a/w.
+    machineFile.write('[sandbox]\nwrite = ["~/a"]\n')
+    user.writeConfig('[sandbox]\nread = ["~/a"]\nwrite = ["~/a/w"]\n')
+    with pytest.raises(ConfigError) as e:
         load(None, user.env)
-    except ConfigError as e:
-        assert e.key == "sandbox.write"
+    assert e.value.key == "sandbox.write" and "lies inside the readable path" in str(e.value)
 
 
 @pytest.mark.parametrize(
