@@ -60,6 +60,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "uninstall": ("agentsandbox.setup", "uninstallMain", "undo exactly what setup did"),
     "log": ("agentsandbox.audit", "logMain", "show egress decisions: [--denied] [--since 2h] [--json]"),
     "suggest": ("agentsandbox.audit", "suggestMain", "print sandbox.domains entries for recent refusals"),
+    "watch": ("agentsandbox.watch", "main", "a live view of held requests, with one-key answers"),
 }
 
 
