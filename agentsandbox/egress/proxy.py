@@ -48,6 +48,7 @@ from zope.interface import implementer
 
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
+from agentsandbox.egress.approvals import ApprovalRegistry
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.interfaces import (
@@ -485,6 +486,9 @@ class EgressProxyFactory(Factory):
         self._localAddresses: dict[Any, tuple[str, int] | None] = {}
         #: Per-session credentials: the session of each client address (the service shares its own).
         self.sessions = SessionRegistry()
+        #: Where unlisted hosts are held for the person under proxy.unlisted = "ask"
+        #: (egress/approvals.py); None: asking is not wired, and such hosts are refused.
+        self.approvals: ApprovalRegistry | None = None
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
