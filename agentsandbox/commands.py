@@ -141,7 +141,7 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
     # The proxy's own readings: the authority parser of CONNECT (a bare host or
     # IPv6 literal takes port 443) and the one name decision every front door
     # makes, so ``check`` cannot allow a spelling the proxy refuses or the reverse.
-    from agentsandbox.egress.rules import decideHost, parseAuthority
+    from agentsandbox.allowlist import decideHost, parseAuthority
 
     authority = parseAuthority(target, 443)
     if authority is None:

@@ -517,8 +517,8 @@ def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | Non
     """Why ``url`` may not be reached, decided as the proxy decides a connection; None when it may."""
     from urllib.parse import urlsplit
 
+    from agentsandbox.allowlist import AllowList, EntryError
     from agentsandbox.egress.names import decideResolved
-    from agentsandbox.egress.rules import AllowList, EntryError
 
     try:
         parts = urlsplit(url)

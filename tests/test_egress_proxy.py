@@ -76,9 +76,9 @@ from twisted.internet.protocol import Protocol  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
+from agentsandbox.allowlist import IPAddress  # noqa: E402
 from agentsandbox.egress.http import errorReply  # noqa: E402
 from agentsandbox.egress.interfaces import IPeerChecker, ITerminator  # noqa: E402
-from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
 
 

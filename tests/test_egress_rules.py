@@ -15,17 +15,12 @@ from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import AllowList, IPAddress
 from agentsandbox.egress.grant import Grant, RefusalError
 from agentsandbox.egress.interfaces import IDialer
 from agentsandbox.egress.proxy import EgressProxyFactory
 from agentsandbox.egress.resolve import addressesFromGetaddrinfo, decideHost, describeResolved
-from agentsandbox.egress.rules import (
-    AllowList,
-    IPAddress,
-    classifyAddress,
-    decideAddress,
-    embeddedIPv4,
-)
+from agentsandbox.egress.rules import classifyAddress, decideAddress, embeddedIPv4
 from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
 from tests.support.egress_fixtures import domainsToml, makeConfig
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from twisted.python.failure import Failure
 
-from agentsandbox.egress.rules import IPAddress
+from agentsandbox.allowlist import IPAddress
 
 #: The HTTP status each kind of refusal is answered with (SOCKS maps them in socks.py).
 _STATUS = {"policy": 403, "inject": 403, "limit": 503, "resolve": 502, "dial": 502, "parent": 502}

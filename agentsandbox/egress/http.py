@@ -43,6 +43,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import parseAuthority as rulesAuthority
 from agentsandbox.egress.grant import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     CHUNKED,
@@ -59,7 +60,6 @@ from agentsandbox.egress.http11 import (
     takeResponseHead,
 )
 from agentsandbox.egress.nodelay import noDelay
-from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 from agentsandbox.egress.sessions import passwordOf
 from agentsandbox.egress.writenow import writeNow
 

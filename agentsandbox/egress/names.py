@@ -14,14 +14,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    HostDecision,
-    IPAddress,
-    decideAddress,
-    decideHost,
-)
+from agentsandbox.allowlist import AllowList, HostDecision, IPAddress, decideHost
+from agentsandbox.egress.rules import AddressDecision, decideAddress
 
 
 class ResolveError(Exception):

@@ -46,6 +46,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import AllowList, IPAddress, parseIP, suggestEntry, unwrapMapped
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
@@ -66,15 +67,7 @@ from agentsandbox.egress.resolve import (
     decideAddresses,
     decideHost,
 )
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    IPAddress,
-    classifyAddress,
-    parseIP,
-    suggestEntry,
-    unwrapMapped,
-)
+from agentsandbox.egress.rules import AddressDecision, classifyAddress
 from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder

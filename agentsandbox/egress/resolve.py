@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 from zope.interface import implementer
 
+from agentsandbox.allowlist import HostDecision, IPAddress, decideHost
 from agentsandbox.egress.interfaces import IResolver
 from agentsandbox.egress.names import (
     GetAddrInfo,
@@ -26,7 +27,6 @@ from agentsandbox.egress.names import (
     describeResolved,
     hostsFileAddresses,
 )
-from agentsandbox.egress.rules import HostDecision, IPAddress, decideHost
 
 __all__ = [
     "HostDecision",

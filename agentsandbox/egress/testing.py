@@ -50,10 +50,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress
 from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
 from agentsandbox.egress.interfaces import IDialer, IPeerChecker, IResolver, ITokenHolder
 from agentsandbox.egress.resolve import ResolveError
-from agentsandbox.egress.rules import IPAddress
 
 #: Where a dial with no route goes: a closed loopback port, so it is refused here.
 _NOWHERE = ("127.0.0.1", 1)
