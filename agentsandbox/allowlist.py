@@ -310,6 +310,9 @@ class HostDecision:
     port: int
     entry: Entry | None
     reason: str
+    #: The entry that would allow the name, when what is missing is only an entry
+    #: (not when the host is no host name or the port no TCP port).
+    allow: str | None = None
 
     @property
     def allowed(self) -> bool:
@@ -340,7 +343,7 @@ def decideHost(allow: AllowList, host: str, port: int) -> HostDecision:
         return HostDecision(canon, port, None, f"port {port} of {canon} is not a TCP port")
     entry = allow.byName(canon, port)
     if entry is None:
-        return HostDecision(canon, port, None, refusedByName(canon, port))
+        return HostDecision(canon, port, None, refusedByName(canon, port), suggestEntry(canon, port))
     return HostDecision(canon, port, entry, f"{canon}:{port} is allowed by {entry.text!r} in {DOMAINS_KEY}")
 
 
