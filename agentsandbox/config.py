@@ -15,14 +15,15 @@ Stdlib only: the hook loads the config on every file-tool call.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
-from agentsandbox.egress.rules import (
+from agentsandbox.allowlist import (
     AllowList,
     Entry,
     EntryError,
@@ -95,6 +96,16 @@ GITHUB_HOSTS = ("github.com", "api.github.com", "uploads.github.com")
 
 #: The allow list when the config names none: GitHub, whose token the built-in
 #: inject rule sets.  A config's own ``domains`` replaces it.
+#: ``proxy.unlisted``, from the least permissive to the most (``machine.narrow``
+#: keeps a user's value only when it is not more permissive than the machine's).
+UNLISTED = ("refuse", "ask", "observe")
+Unlisted = Literal["refuse", "ask", "observe"]
+
+#: 90 s: long enough to read a notification and answer, and shorter than Claude
+#: Code's Bash tool timeout (2 minutes by default), so the agent reads the
+#: proxy's words ("nobody answered ...") rather than a command killed for time.
+DEFAULT_ASK_TIMEOUT = 90.0
+
 DEFAULT_DOMAINS = ("github.com", "*.github.com", "*.githubusercontent.com")
 
 
@@ -261,6 +272,13 @@ class ProxyConfig:
     dispatch_root: bool = False
     #: Refuse requests that carry no registered session credential (egress/sessions.py).
     require_session: bool = False
+    #: What a host off ``sandbox.domains`` gets: refused, held while the person is
+    #: asked (docs/approvals.md), or let through and recorded ("would refuse").
+    unlisted: Unlisted = "refuse"
+    #: How long a held request waits for the person's answer.
+    ask_timeout: float = DEFAULT_ASK_TIMEOUT
+    #: How many requests this user's service holds at once; past it, refused at once.
+    max_held: int = 32
 
     @property
     def endpoint(self) -> str:
@@ -326,10 +344,19 @@ class SandboxConfig:
     keep_env: tuple[str, ...] = ()
     #: Tools the drop-in removes by default (``tools.removedTools``) that this config re-opens.
     allow_tools: tuple[str, ...] = ()
+    #: Hosts refused even where ``domains`` allows them, and never asked about
+    #: (``agentsandbox deny --always`` writes here); the allow-list grammar.
+    refused_domains: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def allowList(self) -> AllowList:
+        """``domains`` parsed, once per config: the proxy's gate, ``check host`` and the
+        built-in rules read this one parse (a reload builds a new config, so a new one)."""
+        return AllowList.parse(self.domains)
 
     @property
-    def allowList(self) -> AllowList:
-        return AllowList.parse(self.domains)
+    def refusedList(self) -> AllowList:
+        return AllowList.parse(self.refused_domains)
 
 
 @dataclass(frozen=True)
@@ -412,7 +439,7 @@ def githubRules(
     )
 
 
-def builtinRules(domains: tuple[str, ...], rules: tuple[InjectRule, ...] | None = None) -> tuple[InjectRule, ...]:
+def builtinRules(allow: AllowList, rules: tuple[InjectRule, ...] | None = None) -> tuple[InjectRule, ...]:
     """The built-in GitHub rules (``rules``, default ``githubRules()``) narrowed to the hosts the allow list admits on 443.
 
     A rule for a host the proxy refuses anyway would only start ``gh auth
@@ -422,7 +449,6 @@ def builtinRules(domains: tuple[str, ...], rules: tuple[InjectRule, ...] | None 
     injector terminates a built-in host only while its keeper holds a token
     (``egress.inject.Route.active``).
     """
-    allow = AllowList.parse(domains)
     narrowed = []
     for rule in githubRules() if rules is None else rules:
         hosts = tuple(h for h in rule.hosts if allow.byName(h, 443) is not None)
@@ -472,7 +498,7 @@ def load(
     config = narrow(machineConfigValue, user, data)
     if config.inject_builtin:
         # The built-in GitHub rule follows the narrowed allow list, as it follows a file's own.
-        config = replace(config, inject=builtinRules(config.sandbox.domains, config.inject))
+        config = replace(config, inject=builtinRules(config.sandbox.allowList, config.inject))
     _checkLayout(config)
     return config
 
@@ -642,7 +668,7 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
     _checkDomains(root.table("sandbox"), sandbox.domains, proxy.port)
     github = _parseGithub(root)
     named = _parseInject(root, paths)
-    inject = builtinRules(sandbox.domains, github) if named is None else named
+    inject = builtinRules(sandbox.allowList, github) if named is None else named
     broker = _parseBroker(root.table("broker"), paths)
     scope = _parseScope(root.table("scope"))
     audit = _parseAudit(root.table("audit"), paths)
@@ -675,6 +701,12 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
         for i, v in enumerate(values):
             if not _ENV_PATTERN.fullmatch(v):
                 raise t.error(f"{key}[{i}]", f"{v!r} is not a variable name or a */? pattern")
+    refusedDomains = t.strings("refused_domains", ())
+    for i, text in enumerate(refusedDomains):
+        try:
+            Entry.parse(text)
+        except EntryError as e:
+            raise t.error(f"refused_domains[{i}]", str(e)) from None
     allowTools = t.strings("allow_tools", ())
     for i, name in enumerate(allowTools):
         if name not in reopenable():
@@ -685,7 +717,7 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
     t.finish()
     return SandboxConfig(
         read=read, write=write, deny=deny, domains=domains, unset_env=unset, keep_env=keep,
-        allow_tools=allowTools,
+        allow_tools=allowTools, refused_domains=refusedDomains,
     )
 
 
@@ -865,9 +897,23 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         dispatch_socket=dispatch,
         dispatch_root=t.get("dispatch_root", bool, False),
         require_session=t.get("require_session", bool, False),
+        unlisted=_unlisted(t),
+        ask_timeout=_positive(t, "ask_timeout", float, DEFAULT_ASK_TIMEOUT),
+        max_held=_positive(t, "max_held", int, 32),
     )
     t.finish()
     return proxy
+
+
+def _unlisted(t: _Table) -> Unlisted:
+    value = t.get("unlisted", str, "refuse")
+    if value not in UNLISTED:
+        raise t.error(
+            "unlisted",
+            f"{value!r} is not one of {', '.join(repr(v) for v in UNLISTED)} (what a host off "
+            "sandbox.domains gets: refused, asked of the person, or let through and recorded)",
+        )
+    return cast(Unlisted, value)
 
 
 def _parseToken(t: _Table, paths: Paths) -> TokenSource:

@@ -54,14 +54,12 @@ reactor: Any = _reactor
 def implementations() -> Iterator[tuple[type[Interface], object]]:
     from tests.test_egress_peer import RecordingPeers
     from tests.test_egress_proxy import FakeTerminator
-    from tests.test_egress_rules import NoDialer
 
     yield IResolver, SystemResolver(reactor)
     yield IResolver, FixedResolver({})
     yield IDialer, TCPDialer(reactor)
     yield IDialer, MappedDialer(reactor)
     yield IDialer, RefusingDialer()
-    yield IDialer, NoDialer()
     yield IDialer, MemoryDialer()
     yield IUpstreamPool, MemoryUpstreamPool()
     yield IPeerChecker, SameUserPeers()
@@ -78,7 +76,7 @@ def test_every_implementation_and_double_provides_its_interface() -> None:
     for interface, implementation in implementations():
         assert verifyObject(interface, implementation), (interface, implementation)
         checked += 1
-    assert checked == 15
+    assert checked == 14
 
 
 def test_the_injector_is_a_terminator() -> None:

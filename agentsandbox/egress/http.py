@@ -43,6 +43,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import parseAuthority as rulesAuthority
 from agentsandbox.egress.grant import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     CHUNKED,
@@ -59,11 +60,11 @@ from agentsandbox.egress.http11 import (
     takeResponseHead,
 )
 from agentsandbox.egress.nodelay import noDelay
-from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 from agentsandbox.egress.sessions import passwordOf
 from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
+    from agentsandbox.egress.gate import Verdict
     from agentsandbox.egress.grant import Grant
     from agentsandbox.egress.proxy import FrontDoor
 
@@ -346,10 +347,7 @@ class ForwardExchange:
         host, port = self.host, self.port
         assert host is not None and port is not None  # (start read them)
         self.door.transport.pauseProducing()
-        factory = self.door.factory
-        d = factory.decide(self.door.config, host, port)
-        d.addCallback(self._granted)
-        d.addErrback(self._refused)
+        self.door.decide(host, port, False, self._decided)
 
     def sendUp(self, data: bytes) -> None:
         """Request body bytes the framer passed: to the origin, or queued until it is connected."""
@@ -361,20 +359,25 @@ class ForwardExchange:
         else:
             writeNow(upstream.transport, data)
 
-    def _granted(self, grant: Grant) -> Deferred[Any]:
-        self.grant = grant
-        factory = self.door.factory
-        return factory.connect(self.door.config, grant, ForwardUpstream(self))
+    def _decided(self, verdict: Verdict) -> None:
+        if isinstance(verdict, Refusal):
+            self._refused(verdict)
+            return
+        self.grant = verdict
+        self.door.factory.connect(self.door.config, verdict, ForwardUpstream(self)).addErrback(self._dialFailed)
 
-    def _refused(self, f: Failure) -> None:
+    def _dialFailed(self, f: Failure) -> None:
+        # The dial's errback carries a RefusalError (could not connect, the parent said no).
+        if f.check(RefusalError):
+            self._refused(refusalOf(f))
+            return
+        self.door.factory.log.failure("egress: forward setup failed", f)
+        self._refused(Refusal("dial", "the proxy failed to set up the request"))
+
+    def _refused(self, r: Refusal) -> None:
         if self.done:
             return
         factory = self.door.factory
-        if f.check(RefusalError):
-            r: Refusal = refusalOf(f)
-        else:
-            factory.log.failure("egress: forward setup failed", f)
-            r = Refusal("dial", "the proxy failed to set up the request")
         event = "refused" if r.kind == "policy" else "failed"
         factory.record(
             event,

@@ -25,7 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
 from zope.interface import Attribute, Interface
 
-from agentsandbox.egress.rules import IPAddress
+from agentsandbox.allowlist import IPAddress
 
 
 class IResolver(Interface):

@@ -5,21 +5,21 @@ Every accepted connection is first checked to come from our own Unix user
 anything else HTTP (``http.py``), whose grammar refuses at once a first byte
 no request can start with (a TLS ClientHello, a SOCKS4 request: 400, a
 ``parse`` record, closed; not left to the header timeout).  Both ask
-``FrontDoor.openTunnel`` for a tunnel, which decides in this order:
+``FrontDoor.openTunnel`` for a tunnel.  The decision is the gate's
+(``gate.py``, sans IO: the name, a tunnel slot, the addresses, the parent
+fallback); the door only resolves a name when the gate asks it to
+(``gate.Resolve``), through the ``IResolver``, and then:
 
-1. the name against ``sandbox.domains`` (``AllowList.byName``), no DNS;
-2. the cap on concurrent tunnels (``proxy.max_tunnels``);
-3. the name resolved once (``IResolver``), every address classified
-   (``rules.decideAddress``): refused ranges pass only through CIDR/IP entries;
 4. hosts the ``ITerminator`` says it ``injects`` (an inject rule, port 443)
    go to it (never dialled here), asked when the grant is made and handed
    over at once, so the answer and the routes that serve it are the same;
    everything else is dialled at the checked addresses in order, the next one
    tried when one fails, directly or through ``proxy.parent``.
 
-Each decision is one audit record.  The config is read from a ``ConfigHolder``
-when a connection arrives, so a reload changes what new connections get and
-leaves open tunnels alone.
+Each decision is one audit record.  The config and its gate are read from the
+factory when a connection arrives (the factory swaps its gate when its
+``ConfigHolder`` does), so a reload changes what new connections get and
+leaves open tunnels alone, slots included.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     serverFromString,
@@ -46,9 +46,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress, parseIP, unwrapMapped
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
+from agentsandbox.egress.approvals import ApprovalRegistry
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
+from agentsandbox.egress.gate import Gate, Resolve, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.interfaces import (
     ICountedTunnel,
@@ -59,30 +62,12 @@ from agentsandbox.egress.interfaces import (
 )
 from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.peer import SameUserPeers
-from agentsandbox.egress.resolve import (
-    HostDecision,
-    ResolveError,
-    SystemResolver,
-    decideAddresses,
-    decideHost,
-)
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    IPAddress,
-    classifyAddress,
-    parseIP,
-    suggestEntry,
-    unwrapMapped,
-)
+from agentsandbox.egress.resolve import ResolveError, SystemResolver
 from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder
 
 SOCKS_VERSION = 0x05
-
-#: Most remembered host and address decisions (cleared when full or on reload).
-DECISION_CACHE = 4096
 
 #: Bytes a tunnel moves on Twisted's copy loop before splice(2) takes it over.
 ZERO_COPY_AFTER = 256 * 1024
@@ -124,6 +109,8 @@ class FrontDoor(Protocol):
     def __init__(self, factory: EgressProxyFactory) -> None:
         self.factory = factory
         self.config: Config = factory.holder.current
+        #: The gate of ``config``: the one this connection's decisions ask.
+        self.gate: Gate = factory.gate
         self.handler: Any = None
         self.client = "?"
         self.pending: list[bytes] = []
@@ -322,7 +309,10 @@ class FrontDoor(Protocol):
 
             factory.connectTunnel(self.config, grant, UpstreamProtocol(), connected, failed)
 
-        def onRefusal(r: Refusal) -> None:
+        def onVerdict(verdict: Verdict) -> None:
+            if isinstance(verdict, Grant):
+                onGrant(verdict)
+                return
             self.awaiting = False
             factory.record(
                 "refused",
@@ -330,30 +320,40 @@ class FrontDoor(Protocol):
                 client=self.client,
                 host=host,
                 port=port,
-                reason=r.reason,
-                allow=r.allow,
-                address=r.address,
+                reason=verdict.reason,
+                allow=verdict.allow,
+                address=verdict.address,
             )
             if not self.gone:
-                refused(r)
+                refused(verdict)
 
-        def onRefusalFailure(f: Failure) -> None:
-            f.trap(RefusalError)
-            onRefusal(refusalOf(f))
+        self.decide(host, port, True, onVerdict)
 
+    def decide(self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+        """Ask this connection's gate about ``host:port``; ``then`` gets the verdict,
+        at once (no DNS needed) or once the name has resolved (the only Deferred
+        of a decision: the resolver's)."""
+        gate = self.gate
         try:
-            result = factory.decideNow(self.config, host, port, reserve=True)
-        except RefusalError as e:
-            onRefusal(e.refusal)
+            step = gate.decide(host, port, reserve)
+            if not isinstance(step, Resolve):
+                then(step)
+                return
+        except Exception:
+            self._bug(Failure())
             return
-        if isinstance(result, Grant):
-            # An IP literal: no DNS, so no Deferred at all.
-            try:
-                onGrant(result)
-            except Exception:
-                self._bug(Failure())
-            return
-        result.addCallbacks(onGrant, onRefusalFailure).addErrback(self._bug)
+
+        def resolved(addresses: Sequence[IPAddress]) -> None:
+            then(gate.resolved(step, addresses))
+
+        def unresolved(f: Failure) -> None:
+            if f.check(ResolveError):
+                then(gate.unresolved(step, f.getErrorMessage()))
+                return
+            gate.abandon(step)
+            self._bug(f)
+
+        self.factory.resolver.resolve(step.host, step.port).addCallbacks(resolved, unresolved).addErrback(self._bug)
 
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
@@ -475,16 +475,18 @@ class EgressProxyFactory(Factory):
         self.spliceFast = spliceFast
         self.doors: set[FrontDoor] = set()
         self.tunnels: set[Tunnel] = set()
-        self.reserved = 0
         self.zeroCopied = 0
         self._sweeper: Any = None
-        self._allowCache: tuple[Config, AllowList] | None = None
-        self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
-        self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
-        self._literalDecisions: dict[tuple[str, int], Grant | Refusal] = {}
+        self.slots = TunnelSlots()
+        #: The decisions of the config in force: the gate a new connection asks.
+        self.gate = Gate.ofConfig(self.holder.current, self.slots)
+        self.holder.subscribe(self._configSwapped)
         self._localAddresses: dict[Any, tuple[str, int] | None] = {}
         #: Per-session credentials: the session of each client address (the service shares its own).
         self.sessions = SessionRegistry()
+        #: Where unlisted hosts are held for the person under proxy.unlisted = "ask"
+        #: (egress/approvals.py); None: asking is not wired, and such hosts are refused.
+        self.approvals: ApprovalRegistry | None = None
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)
@@ -609,129 +611,19 @@ class EgressProxyFactory(Factory):
         if zeroCopy(tunnel, self.reactor):
             self.zeroCopied += 1
 
-    def allowListOf(self, config: Config) -> AllowList:
-        """The parsed allow list of ``config``, parsed once per config (reloads swap configs)."""
-        cached = self._allowCache
-        if cached is None or cached[0] is not config:
-            cached = self._allowCache = (config, config.sandbox.allowList)
-            self._hostDecisions.clear()
-            self._addressDecisions.clear()
-            self._literalDecisions.clear()
-        return cached[1]
+    # -------------------------------------------------------------- the gate
+    def _configSwapped(self, old: Config, new: Config) -> None:
+        # One gate per config; the slots go on to the new one, so open tunnels
+        # keep theirs and give them back to whichever gate is current.
+        self.gate = Gate.ofConfig(new, self.slots)
 
-    def _decideHost(self, allow: AllowList, host: str, port: int) -> HostDecision:
-        # Decisions are pure functions of (allow list, host, port); the caches
-        # are emptied whenever the config (so the allow list) changes.
-        key = (host, port)
-        found = self._hostDecisions.get(key)
-        if found is None:
-            if len(self._hostDecisions) >= DECISION_CACHE:
-                self._hostDecisions.clear()
-            found = self._hostDecisions[key] = decideHost(allow, host, port)
-        return found
+    @property
+    def reserved(self) -> int:
+        """Tunnel slots in use (``proxy.max_tunnels``), across reloads."""
+        return self.slots.inUse
 
-    def _decideAddresses(
-        self, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-    ) -> list[AddressDecision]:
-        out = []
-        for ip in addresses:
-            key = (name.host, name.port, ip)
-            found = self._addressDecisions.get(key)
-            if found is None:
-                if len(self._addressDecisions) >= DECISION_CACHE:
-                    self._addressDecisions.clear()
-                found = self._addressDecisions[key] = decideAddresses(allow, name, [ip])[0]
-            out.append(found)
-        return out
-
-    # -------------------------------------------------------------- limits
     def release(self) -> None:
-        self.reserved = max(0, self.reserved - 1)
-
-    # -------------------------------------------------------------- decisions
-    def decide(self, config: Config, host: str, port: int, reserve: bool = False) -> Deferred[Grant]:
-        """Grant or refuse ``host:port`` under ``config`` (fails with RefusalError)."""
-        try:
-            result = self.decideNow(config, host, port, reserve)
-        except RefusalError as e:
-            return fail(e)
-        return succeed(result) if isinstance(result, Grant) else result
-
-    def decideNow(
-        self, config: Config, host: str, port: int, reserve: bool = False
-    ) -> Grant | Deferred[Grant]:
-        """``decide`` without a Deferred when no DNS is needed (IP literals): a Grant,
-        or RefusalError raised; otherwise a Deferred.  With ``reserve``, a tunnel
-        slot is taken and given back on every refusal."""
-        allow = self.allowListOf(config)
-        name = self._decideHost(allow, host, port)
-        if not name.allowed:
-            suggestion = None
-            if "not on the sandbox's allow list" in name.reason:
-                suggestion = suggestEntry(name.host, port)
-            raise RefusalError(Refusal("policy", name.reason, allow=suggestion))
-        if reserve:
-            if self.reserved >= config.proxy.max_tunnels:
-                raise RefusalError(
-                    Refusal(
-                        "limit",
-                        f"{config.proxy.max_tunnels} tunnels are open, the most proxy.max_tunnels "
-                        f"allows; {name.host}:{port} was not opened",
-                    )
-                )
-            self.reserved += 1
-        literal = name.literal
-        if literal is not None:
-            # Like the name decision, a literal's grant depends only on the
-            # config, so it is made once per (host, port) and config.
-            key = (name.host, port)
-            known = self._literalDecisions.get(key)
-            if known is None:
-                if len(self._literalDecisions) >= DECISION_CACHE:
-                    self._literalDecisions.clear()
-                try:
-                    known = self._checked(config, allow, name, (literal,))
-                except RefusalError as e:
-                    known = e.refusal
-                self._literalDecisions[key] = known
-            if isinstance(known, Grant):
-                return known
-            if reserve:
-                self.release()
-            raise RefusalError(known)
-        d = self.resolver.resolve(name.host, port)
-
-        def unresolved(f: Failure) -> Grant:
-            f.trap(ResolveError)
-            if config.proxy.parent is not None:
-                # Names only the organisation's resolver knows: the parent resolves them.
-                return Grant(name.host, port, (), name.entry.text if name.entry else "", True)
-            raise RefusalError(Refusal("resolve", f.getErrorMessage()))
-
-        def unreserve(f: Failure) -> Failure:
-            if reserve:
-                self.release()
-            return f
-
-        d.addCallbacks(lambda addresses: self._checked(config, allow, name, addresses), unresolved)
-        d.addErrback(unreserve)
-        return d  # type: ignore[return-value]
-
-    def _checked(
-        self, config: Config, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-    ) -> Grant:
-        decisions = self._decideAddresses(allow, name, addresses)
-        ok = tuple(x.address for x in decisions if x.allowed)
-        port = name.port
-        if not ok:
-            first = decisions[0]
-            shown = unwrapMapped(first.address)
-            allowText = f"{shown}:{port}" if shown.version == 4 else f"[{shown}]:{port}"
-            reason = "; ".join(x.reason for x in decisions)
-            raise RefusalError(Refusal("policy", reason, allow=allowText, address=str(first.address)))
-        viaParent = config.proxy.parent is not None and any(classifyAddress(a) is None for a in ok)
-        single = str(ok[0]) if len(ok) == 1 else None
-        return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent, single)
+        self.gate.release()
 
     def connectTunnel(
         self,
