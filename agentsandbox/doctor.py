@@ -602,6 +602,72 @@ def checkBundle(egressDir: str | None) -> Check:
     return Check(name, OK, f"{bundle} is readable")
 
 
+# --------------------------------------------------------------------------- answering (issue 28)
+
+
+def controlAnswers(path: str) -> str | None:
+    """None when the service's control socket answers ``list``; else why not."""
+    from agentsandbox.watch import NotRunning, ask
+
+    try:
+        reply = ask(path, {"op": "list"}, timeout=5)
+    except NotRunning:
+        return f"nothing listens on {path}"
+    except (OSError, ValueError) as e:
+        return f"{path} does not answer: {e}"
+    return None if reply.get("ok") else f"{path} refused to list: {reply.get('error', '?')}"
+
+
+def checkUnlisted(config: Config) -> Check | None:
+    """Observe mode is said loudly: unlisted hosts go through, nothing is enforced by name."""
+    if config.proxy.unlisted != "observe":
+        return None
+    return Check(
+        "unlisted hosts", WARN,
+        "OBSERVING, NOT ENFORCING: proxy.unlisted = \"observe\" lets every unlisted host through "
+        "(address rules still refuse) and only records it as \"would refuse\"",
+        "when the list is complete: `agentsandbox suggest` prints the entries for sandbox.domains; "
+        "then set proxy.unlisted = \"refuse\" (or \"ask\")",
+    )  # fmt: skip
+
+
+def checkChannels(
+    config: Config,
+    environ: Mapping[str, str],
+    runner: Runner,
+    which: Callable[[str], str | None],
+    control: Callable[[str], str | None] = controlAnswers,
+) -> list[Check]:
+    """Where this user can answer a held request: the command line and watch (the control
+    socket), and desktop notifications (a session bus with a notification server)."""
+    from agentsandbox.approvals import controlSocket
+    from agentsandbox.desktop import desktopChannel
+
+    mode = config.proxy.unlisted
+    checks = []
+    name = "answering: approve, watch"
+    runtimeDir = config.paths.runtimeDir
+    why = "no runtime directory ($XDG_RUNTIME_DIR), so no control socket" if runtimeDir is None else control(
+        controlSocket(runtimeDir)
+    )
+    if why is None:
+        checks.append(Check(name, OK, f"`agentsandbox approvals`, `approve`, `deny` and `watch` answer here "
+                                      f"({controlSocket(str(runtimeDir))})"))  # fmt: skip
+    elif mode == "ask":
+        checks.append(Check(name, FAIL, f"proxy.unlisted = \"ask\" but nobody can answer: {why}", SERVICE_FIX))
+    else:
+        checks.append(Check(name, OK, f"not needed while proxy.unlisted = \"{mode}\" ({why})"))
+    yes, detail = desktopChannel(environ, runner, which)
+    desktop = "answering: desktop"
+    if yes is None:
+        checks.append(Check(desktop, UNKNOWN, detail, "apt install libglib2.0-bin to know"))
+    elif yes:
+        checks.append(Check(desktop, OK, f"yes: {detail}"))
+    else:
+        checks.append(Check(desktop, OK, f"no: {detail}; the command line and watch answer instead"))
+    return checks
+
+
 # --------------------------------------------------------------------------- the whole run
 
 
@@ -617,6 +683,7 @@ class Inputs:
     ask: Callable[[str, str], bytes] = askBroker
     connect: Callable[[int], str | None] = connectTCP
     askDispatcher: Callable[[str], dict[str, Any]] = askDispatcher
+    control: Callable[[str], str | None] = controlAnswers
 
     @classmethod
     def system(cls, environ: Mapping[str, str] | None = None) -> Inputs:
@@ -653,6 +720,10 @@ def diagnose(configPath: str | None, inputs: Inputs) -> list[Check]:
         checks.append(brokerCheck)
         proxyCheck = checkProxy(config.proxy.port, inputs.connect)
         checks.append(proxyCheck)
+        unlisted = checkUnlisted(config)
+        if unlisted is not None:
+            checks.append(unlisted)
+        checks.extend(checkChannels(config, inputs.environ, inputs.runner, inputs.which, inputs.control))
         dispatcherCheck = checkDispatcher(config, inputs.environ, report, inputs.askDispatcher, procDir=inputs.procDir)
         checks.append(dispatcherCheck)
         proxy = report.get("proxy") if report is not None else None

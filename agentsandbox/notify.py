@@ -29,9 +29,6 @@ notify-send fails at once; that is said once in the log, not per request.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import stat
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -42,8 +39,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from agentsandbox.approvals import Answer, HeldRequest
-
-NOTIFICATIONS = "org.freedesktop.Notifications"
+from agentsandbox.desktop import notifySend, sessionBus, unavailable
 
 #: action key -> (verdict, scope, the button's words)
 ACTIONS: dict[str, tuple[str, str, str]] = {
@@ -66,35 +62,6 @@ class Registry(Protocol):
     def unsubscribe(self, observer: Callable[[dict[str, Any]], None]) -> None: ...
 
     def answer(self, target: str, answer: Answer) -> list[str]: ...
-
-
-def sessionBus(environ: Mapping[str, str]) -> str | None:
-    """The user's session bus address: ``DBUS_SESSION_BUS_ADDRESS``, else ``$XDG_RUNTIME_DIR/bus``."""
-    address = environ.get("DBUS_SESSION_BUS_ADDRESS")
-    if address:
-        return address
-    runtime = environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        bus = os.path.join(runtime, "bus")
-        try:
-            if stat.S_ISSOCK(os.stat(bus).st_mode):
-                return f"unix:path={bus}"
-        except OSError:
-            pass
-    return None
-
-
-def notifySend(environ: Mapping[str, str]) -> str | None:
-    return shutil.which("notify-send", path=environ.get("PATH"))
-
-
-def unavailable(environ: Mapping[str, str]) -> str | None:
-    """Why this environment can show no notification, or None when it may."""
-    if sessionBus(environ) is None:
-        return "no session bus (neither DBUS_SESSION_BUS_ADDRESS nor $XDG_RUNTIME_DIR/bus)"
-    if notifySend(environ) is None:
-        return "notify-send is not installed (apt install libnotify-bin)"
-    return None
 
 
 def _escape(text: str) -> str:
@@ -149,7 +116,7 @@ class DesktopNotifier(Service):
         kind = event.get("event")
         if kind == "held":
             self.show(HeldRequest.fromWire(event["request"]))
-        elif kind in ("decided", "timedout"):
+        elif kind in ("decided", "timedout", "withdrawn"):
             shown = self.shown.pop(str(event["request"]["id"]), None)
             if shown is not None:
                 shown.close()

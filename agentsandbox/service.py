@@ -37,6 +37,7 @@ from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.egress.sessions import SessionRegistry
+from agentsandbox.notify import DesktopNotifier
 from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
@@ -230,6 +231,10 @@ class AgentSandbox(MultiService):
                 ControlFactory(self.approvals, self.proxyFactory.record), controlSocket(runtimeDir), reactor
             )
             self.control.setServiceParent(self)
+        # And a desktop notification per held request, where this user's session
+        # has a bus and a notification server (quietly none elsewhere).
+        self.notifier = DesktopNotifier(self.approvals, reactor, self.environ)
+        self.notifier.setServiceParent(self)
         self.proxy = ProxyService(
             self.proxyFactory, dispatchSocket=dispatchSocket, awaitDispatcher=awaitDispatcher(dispatchSocket, config, self.environ)
         )

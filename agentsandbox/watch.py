@@ -122,7 +122,7 @@ def since(seconds: float) -> str:
 def describeAnswer(answer: Answer | None, outcome: str) -> str:
     """``allowed once``, ``allowed for 1h``, ``denied always``, ``nobody answered``."""
     if answer is None:
-        return "nobody answered" if outcome == "timedout" else outcome
+        return {"timedout": "nobody answered", "withdrawn": "the client went away"}.get(outcome, outcome)
     verb = "allowed" if answer.verdict == "allow" else "denied"
     if answer.scope == "for":
         return f"{verb} for {since(answer.seconds)}" if answer.seconds else f"{verb} until the service stops"
@@ -198,13 +198,16 @@ class WatchState:
             request = HeldRequest.fromWire(event["request"])
             if all(h.id != request.id for h in self.held):
                 self.held.append(request)
-        elif kind in ("decided", "timedout"):
+        elif kind in ("decided", "timedout", "withdrawn"):
             request = HeldRequest.fromWire(event["request"])
             selected = self.current()
             self.held = [h for h in self.held if h.id != request.id]
             a = event.get("answer")
             answer = None if a is None else Answer.fromWire(a)
-            outcome = "timedout" if kind == "timedout" else ("allowed" if answer and answer.verdict == "allow" else "denied")
+            if kind == "decided":
+                outcome = "allowed" if answer and answer.verdict == "allow" else "denied"
+            else:
+                outcome = str(kind)
             self.recent.appendleft(Decision(request, outcome, answer, now))
             if self._promptFor is not None and self._promptFor.id == request.id:
                 self.prompt = self._promptFor = None

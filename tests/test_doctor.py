@@ -588,3 +588,62 @@ def test_the_user_bus_check_names_dbus_user_session(tmp_path: Path) -> None:
         assert doctor.checkUserBus({"XDG_RUNTIME_DIR": str(tmp_path)}).status == doctor.OK
     finally:
         bus.close()
+
+
+# --------------------------------------------------------------------------- answering (issue 28)
+
+
+def test_observe_mode_is_a_loud_warning(user: User) -> None:
+    from agentsandbox.config import load
+
+    user.writeConfig('[proxy]\nunlisted = "refuse"\n')
+    assert doctor.checkUnlisted(load(None, user.env)) is None
+    user.writeConfig('[proxy]\nunlisted = "observe"\n')
+    check = doctor.checkUnlisted(load(None, user.env))
+    assert check is not None and check.status == "warn"
+    assert "OBSERVING, NOT ENFORCING" in check.detail and "agentsandbox suggest" in (check.fix or "")
+
+
+@pytest.mark.parametrize(
+    ("mode", "answers", "status", "words"),
+    [
+        ("ask", None, "ok", "`watch` answer here"),
+        ("ask", "nothing listens on X", "FAIL", "nobody can answer: nothing listens on X"),
+        ("refuse", "nothing listens on X", "ok", 'not needed while proxy.unlisted = "refuse"'),
+    ],
+)
+def test_the_command_line_channel_is_the_control_socket(
+    user: User, mode: str, answers: str | None, status: str, words: str
+) -> None:
+    from agentsandbox.config import load
+
+    user.writeConfig(f'[proxy]\nunlisted = "{mode}"\n')
+    config = load(None, user.env)
+    checks = doctor.checkChannels(config, {"PATH": os.environ["PATH"]}, RUN, which, lambda path: answers)
+    cli = checks[0]
+    assert (cli.name, cli.status) == ("answering: approve, watch", status) and words in cli.detail
+
+
+def test_desktop_notifications_yes_on_a_bus_with_a_server_no_without(user: User, tmp_path: Path) -> None:
+    from agentsandbox.config import load
+    from tests.support.sessionbus import SessionBus
+
+    config = load(None, user.env)
+    noBus = doctor.checkChannels(config, {"PATH": os.environ["PATH"], "XDG_RUNTIME_DIR": str(tmp_path)}, RUN, which)
+    assert noBus[1].detail.startswith("no: no session bus")
+    (tmp_path / "empty-bus").mkdir()
+    empty = SessionBus(str(tmp_path / "empty-bus"))
+    try:
+        checks = doctor.checkChannels(config, empty.environ, probes.systemRunner(empty.environ), which)
+        assert checks[1].detail.startswith("no: no notification server on the session bus")
+    finally:
+        empty.close()
+    (tmp_path / "bus").mkdir()
+    served = SessionBus(str(tmp_path / "bus"), server=True)
+    try:
+        checks = doctor.checkChannels(config, served.environ, probes.systemRunner(served.environ), which)
+        assert (checks[1].status, checks[1].detail) == (
+            "ok", "yes: a notification server owns org.freedesktop.Notifications on the session bus"
+        )
+    finally:
+        served.close()

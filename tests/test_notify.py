@@ -22,7 +22,8 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.trial import unittest
 
 from agentsandbox.approvals import Answer
-from agentsandbox.notify import ACTIONS, BY, DesktopNotifier, sessionBus, unavailable
+from agentsandbox.desktop import sessionBus, unavailable
+from agentsandbox.notify import ACTIONS, BY, DesktopNotifier
 from tests.support.control import FakeRegistry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,15 +134,17 @@ class NotifierOnARealBus(unittest.TestCase):
             sorted([(first.id, Answer("allow", "always", None, BY)), (second.id, Answer("deny", "once", None, BY))]),
         )
 
-    async def test_decided_elsewhere_or_timed_out_the_notification_closes(self) -> None:
+    async def test_decided_elsewhere_timed_out_or_withdrawn_the_notification_closes(self) -> None:
         server = await self.startServer()
         notifier = self.startNotifier()
         decided = self.registry.hold("example.org")
         timedOut = self.registry.hold("git.example.com")
-        await until(lambda: len(server.of("notify")) == 2, "both notifications")
+        withdrawn = self.registry.hold("c.example.com")
+        await until(lambda: len(server.of("notify")) == 3, "the notifications")
         self.registry.answer(decided.id, Answer("allow", "once", by="cli pid 1"))
         self.registry.timeOut(timedOut.id)
-        await until(lambda: len(server.of("closed")) == 2, f"both notifications closing {server.messages} {notifier.shown}")
+        self.registry.withdraw(withdrawn.id)
+        await until(lambda: len(server.of("closed")) == 3, "every notification closing")
         # Closed by a call (reason 3), not by a person; nothing answered from the desktop.
         self.assertEqual({m["reason"] for m in server.messages if "closed" in m}, {3})
         self.assertEqual([a.by for _, a in self.registry.answers], ["cli pid 1"])

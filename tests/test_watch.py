@@ -96,8 +96,9 @@ def test_for_a_while_asks_how_long_and_enter_takes_the_documented_default() -> N
 
 def test_a_decision_moves_the_request_below_and_keeps_the_selection() -> None:
     state = WatchState()
-    a, b = held("h1"), held("h2", host="git.example.com", since=1001.0)
-    state.load(snapshot(a, b))
+    a, b, c = held("h1"), held("h2", host="git.example.com", since=1001.0), held("h3", host="c.example.com")
+    state.load(snapshot(a, b, c))
+    state.apply({"event": "withdrawn", "request": c.toWire()}, 1005.0)
     state.key("2")
     state.apply({"event": "decided", "request": a.toWire(), "answer": Answer("allow", "once", by="cli").toWire()}, 1010.0)
     assert state.held == [b] and state.current() == b
@@ -105,6 +106,7 @@ def test_a_decision_moves_the_request_below_and_keeps_the_selection() -> None:
     screen = "\n".join(state.lines(100, 30, 1020.0))
     assert "WAITING: nothing" in screen
     assert "example.org:443 allowed once by cli" in screen and "git.example.com:443 nobody answered" in screen
+    assert "c.example.com:443 the client went away" in screen
 
 
 def test_observe_and_refuse_modes_say_what_the_machine_does() -> None:

@@ -26,7 +26,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentsandbox.approvals import Answer, HeldRequest, decode, encode
+from agentsandbox.approvals import (
+    Answer,
+    HeldRequest,
+    decidedEvent,
+    decode,
+    encode,
+    heldEvent,
+    observedEvent,
+    timedoutEvent,
+    withdrawnEvent,
+)
 
 Observer = Callable[[dict[str, Any]], None]
 
@@ -78,7 +88,7 @@ class FakeRegistry:
                 self.recent.append(
                     {"request": h.toWire(), "answer": answer.toWire(), "outcome": outcome, "at": self._clock()}
                 )
-                self._publish({"event": "decided", "request": h.toWire(), "answer": answer.toWire()})
+                self._publish(decidedEvent(h, answer))
             return [h.id for h in chosen]
 
     # ------------------------------------------------------------- the test's side
@@ -88,18 +98,24 @@ class FakeRegistry:
         with self._lock:
             h = HeldRequest(f"h{next(self._ids)}", host, port, kind, "127.0.0.1:40000", process, self._clock())
             self.held[h.id] = h
-            self._publish({"event": "held", "request": h.toWire()})
+            self._publish(heldEvent(h))
             return h
 
     def timeOut(self, id: str) -> None:
         with self._lock:
             h = self.held.pop(id)
             self.recent.append({"request": h.toWire(), "answer": None, "outcome": "timedout", "at": self._clock()})
-            self._publish({"event": "timedout", "request": h.toWire()})
+            self._publish(timedoutEvent(h))
+
+    def withdraw(self, id: str) -> None:
+        """The client went away before anyone answered."""
+        with self._lock:
+            h = self.held.pop(id)
+            self._publish(withdrawnEvent(h))
 
     def observe(self, host: str, port: int = 443, kind: str = "connect") -> None:
         with self._lock:
-            self._publish({"event": "observed", "host": host, "port": port, "kind": kind})
+            self._publish(observedEvent(host, port, kind))
 
     def _publish(self, event: dict[str, Any]) -> None:
         for observer in list(self._observers):
