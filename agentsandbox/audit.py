@@ -30,8 +30,13 @@ from twisted.logger import Logger
 #: ``withheld``: a terminated response that carried the token, cut.
 #: ``held``/``decided``/``timedout``: a request for an unlisted host held for the
 #: person's answer, answered (``by`` whom, ``verdict``, ``scope``, ``seconds``),
-#: or not answered in time; ``control``: a refused approvals control request.
-EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed", "withheld", "held", "decided", "timedout", "control")
+#: or not answered in time; ``control``: a refused approvals control request;
+#: ``observed``: under ``proxy.unlisted = "observe"``, an unlisted host let through
+#: that would have been refused (``reason`` says why, ``allow`` the entry that lists it).
+EVENTS = (
+    "tunnel", "forward", "refused", "peer", "parse", "failed", "withheld", "held", "decided", "timedout", "control",
+    "observed",
+)  # fmt: skip
 #: The only fields a record may hold.
 FIELDS = (
     "kind",
@@ -208,6 +213,8 @@ def _journalLine(rec: dict[str, Any]) -> str:
         return f"approvals: {rec.get('verdict', '')} {scope} {target} (request {rec.get('id', '')}) by {rec.get('by', '')}"
     if ev == "timedout":
         return f"approvals: nobody answered for {target} (request {rec.get('id', '')}): {rec.get('reason', '')}"
+    if ev == "observed":
+        return f"egress: OBSERVED {kind} {target} from {client}: would refuse: {rec.get('reason', '')}"
     if ev == "control":
         return f"approvals: refused a control request from {client}: {rec.get('reason', '')}"
     if ev == "peer":
@@ -297,29 +304,60 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
 
 @dataclass
 class _Seen:
+    #: Refused, and let through only because the machine was observing ("would refuse").
     count: int
     last: float
     hosts: set[str]
+    observed: int = 0
 
 
 def suggestions(records: Iterator[dict[str, Any]], since: float | None) -> dict[str, _Seen]:
-    """allow-list entry -> how often and when it would have allowed a refusal."""
+    """allow-list entry -> how often and when it would have allowed a refusal
+    (``refused``) or a host observe mode let through (``observed``)."""
     out: dict[str, _Seen] = {}
     for rec in records:
-        if rec.get("event") != "refused" or not rec.get("allow"):
+        event = rec.get("event")
+        if event not in ("refused", "observed") or not rec.get("allow"):
             continue
         if since is not None and rec["ts"] < since:
             continue
         entry = str(rec["allow"])
         seen = out.setdefault(entry, _Seen(0, 0.0, set()))
-        seen.count += 1
+        if event == "observed":
+            seen.observed += 1
+        else:
+            seen.count += 1
         seen.last = max(seen.last, float(rec["ts"]))
         seen.hosts.add(str(rec.get("host", "")))
     return out
 
 
+def group(entry: str) -> str:
+    """The heading an entry is listed under: its registrable-looking domain (the last
+    two labels), or the address itself for an IP entry."""
+    host = entry.rsplit(":", 1)[0] if entry.count(":") == 1 else entry
+    if host.startswith("[") or host.replace(".", "").isdigit():
+        return host.strip("[]").split("]")[0]
+    labels = host.split(".")
+    return ".".join(labels[-2:])
+
+
+def _said(seen: _Seen) -> str:
+    parts = []
+    if seen.count:
+        parts.append(f"refused {seen.count}x")
+    if seen.observed:
+        parts.append(f"would refuse {seen.observed}x (observed)")
+    return ", ".join(parts) + f", last {_isoTime(seen.last)}"
+
+
 def suggestMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
-    parser = _parser("suggest", "Print the sandbox.domains entries that would allow recently refused hosts.")
+    parser = _parser(
+        "suggest",
+        "Print the sandbox.domains entries that would allow recently refused hosts, and the hosts "
+        "observe mode (proxy.unlisted = \"observe\") let through: grouped by domain, counted, "
+        "ready to paste.",
+    )
     parser.add_argument("--since", default="1d", help="look back this far (default 1d)")
     args = parser.parse_args(argv)
     try:
@@ -328,11 +366,20 @@ def suggestMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
         parser.error(str(e))
     found = suggestions(readRecords(_auditPath("suggest", args)), since)
     if not found:
-        print(f"# no refusals in the last {args.since}", file=sys.stderr)
+        print(f"# no refusals or observed hosts in the last {args.since}", file=sys.stderr)
         return 0
     print("# add to [sandbox] domains = [...] in your config, then the proxy reloads by itself")
     width = max(len(json.dumps(e)) for e in found) + 1
-    for entry, seen in sorted(found.items(), key=lambda kv: (-kv[1].count, kv[0])):
-        text = json.dumps(entry) + ","
-        print(f"  {text.ljust(width)}  # refused {seen.count}x, last {_isoTime(seen.last)}")
+    groups: dict[str, list[tuple[str, _Seen]]] = {}
+    for entry, seen in found.items():
+        groups.setdefault(group(entry), []).append((entry, seen))
+
+    def total(items: list[tuple[str, _Seen]]) -> int:
+        return sum(s.count + s.observed for _, s in items)
+
+    for name, items in sorted(groups.items(), key=lambda kv: (-total(kv[1]), kv[0])):
+        print(f"  # {name}")
+        for entry, seen in sorted(items, key=lambda kv: (-(kv[1].count + kv[1].observed), kv[0])):
+            text = json.dumps(entry) + ","
+            print(f"  {text.ljust(width)}  # {_said(seen)}")
     return 0

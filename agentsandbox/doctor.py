@@ -819,6 +819,13 @@ def _scalar(value: Any) -> str:
 def statusTable(data: Mapping[str, Any]) -> str:
     """The broker's ``status`` reply as a readable table."""
     lines: list[str] = []
+    proxy = data.get("proxy")
+    if isinstance(proxy, dict) and proxy.get("unlisted") == "observe":
+        lines += [
+            "OBSERVING, NOT ENFORCING: proxy.unlisted = \"observe\" lets every unlisted host through,",
+            "recorded as \"would refuse\" (address rules still refuse); `agentsandbox suggest` lists them.",
+            "",
+        ]
     uptime = data.get("uptime")
     head = [f"pid {data.get('pid', '?')}"]
     if isinstance(uptime, int | float):
@@ -849,7 +856,6 @@ def statusTable(data: Mapping[str, Any]) -> str:
                 lines.append(
                     "          " + op.ljust(width) + "".join(f"  {per.get(o, 0):>8}" for o in outcomes)
                 )
-    proxy = data.get("proxy")
     if isinstance(proxy, dict):
         lines.append("")
         width = max((len(k) for k in proxy), default=0)

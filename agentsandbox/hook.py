@@ -1019,10 +1019,19 @@ def sessionLines(
         messages.append(f"agentsandbox: {why}. The admin renders it: `sudo agentsandbox install`.")
     for notice in config.notices:
         messages.append(f"agentsandbox: {notice}.")
+    if config.proxy.unlisted == "observe":
+        messages.append(OBSERVING)
     if cwd is not None and cwd.startswith("/"):
         messages += _definitionWarnings(policy, config.source, cwd)
     return lines, messages
 
+
+#: Said at every session start while the machine only observes (issue 28).
+OBSERVING = (
+    "agentsandbox: OBSERVING, NOT ENFORCING: proxy.unlisted = \"observe\" lets this session's commands "
+    "reach hosts off sandbox.domains (each recorded as \"would refuse\"; address rules still refuse). "
+    "`agentsandbox suggest` turns them into an allow list."
+)
 
 #: The proxy variables whose URL gets the session's credential as its userinfo.
 PROXY_URL_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")

@@ -320,6 +320,8 @@ class AgentSandbox(MultiService):
         open_ = list(self.proxyFactory.tunnels)
         return {
             **self.proxy.figures(),
+            # What an unlisted host meets (status says observe loudly).
+            "unlisted": self.holder.current.proxy.unlisted,
             "openTunnels": len(open_),
             "tunnelsClosed": events["tunnel"],
             "forwarded": events["forward"],

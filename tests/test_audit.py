@@ -148,8 +148,10 @@ def test_suggestCommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert suggestMain(["--file", path, "--since", "1h"], now=lambda: 5100.0) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# add to [sandbox] domains")
-    assert out[1].split("#")[0].strip() == '"new.example.net",' and "refused 3x, last 1970-01-01T01:23:20Z" in out[1]
-    assert out[2].split("#")[0].strip() == '"10.0.0.1:5432",'
+    assert out[1] == "  # example.net"
+    assert out[2].split("#")[0].strip() == '"new.example.net",' and "refused 3x, last 1970-01-01T01:23:20Z" in out[2]
+    assert out[3] == "  # 10.0.0.1"
+    assert out[4].split("#")[0].strip() == '"10.0.0.1:5432",'
     assert all("old.example.net" not in line for line in out)
     assert suggestMain(["--file", path], now=lambda: 10**9) == 0
     assert "no refusals" in capsys.readouterr().err
@@ -193,3 +195,34 @@ def test_recordLinesAreWhatTheStandardEncoderWrites(tmp_path: Path) -> None:
     line = path.read_text(encoding="ascii")
     assert line == json.dumps(rec, ensure_ascii=True, separators=(",", ":")) + "\n"
     assert json.loads(line) == rec
+
+
+def test_suggest_turns_observations_into_grouped_counted_entries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Observe mode's "would refuse" records become allow-list lines, grouped by domain, deduplicated."""
+    import tomllib
+
+    from agentsandbox.audit import suggestMain
+
+    path = str(tmp_path / "audit.jsonl")
+    log = AuditLog(path, journal=False, wallClock=lambda: 5000.0)
+    for host, port, times in (("a.example.com", 443, 4), ("b.example.com", 443, 1), ("example.org", 8443, 2),
+                              ("a.example.com", 443, 0)):  # fmt: skip
+        for _ in range(times):
+            log.record("observed", kind="connect", host=host, port=port, reason=f"{host} is not on the allow list",
+                       allow=host if port == 443 else f"{host}:{port}")  # fmt: skip
+    log.record("refused", kind="connect", host="b.example.com", port=443, reason="not listed", allow="b.example.com")
+    log.close()
+    assert suggestMain(["--file", path], now=lambda: 5001.0) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1:] == [
+        "  # example.com",
+        '  "a.example.com",     # would refuse 4x (observed), last 1970-01-01T01:23:20Z',
+        '  "b.example.com",     # refused 1x, would refuse 1x (observed), last 1970-01-01T01:23:20Z',
+        "  # example.org",
+        '  "example.org:8443",  # would refuse 2x (observed), last 1970-01-01T01:23:20Z',
+    ]
+    # Ready to paste: the lines are a TOML array's body.
+    body = "\n".join(line.split("#")[0] for line in lines[1:])
+    assert tomllib.loads(f"domains = [\n{body}\n]")["domains"] == ["a.example.com", "b.example.com", "example.org:8443"]
+    assert "OBSERVED connect a.example.com:443" in journalLine(next(readRecords(path)))

@@ -534,6 +534,12 @@ def test_the_status_table() -> None:
     assert doctor.statusTable({"pid": 1, "requests": {}}).splitlines()[-1] == "requests  none yet"
 
 
+def test_the_status_table_says_first_that_the_machine_only_observes() -> None:
+    observing = {**SAMPLE, "proxy": {**SAMPLE["proxy"], "unlisted": "observe"}}  # type: ignore[dict-item]
+    assert doctor.statusTable(observing).startswith("OBSERVING, NOT ENFORCING")
+    assert "OBSERVING" not in doctor.statusTable({**SAMPLE, "proxy": {**SAMPLE["proxy"], "unlisted": "ask"}})  # type: ignore[dict-item]
+
+
 def test_status_from_a_running_broker(user: User, broker: str) -> None:
     env = dict(user.env, PYTHONPATH=str(REPO))
     assert _cli(env, "ask", "ping").returncode == 0

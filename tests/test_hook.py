@@ -14,7 +14,7 @@ import pytest
 
 from agentsandbox import claude, hook
 from agentsandbox.hook import cachedPolicy
-from tests.conftest import REPO, User
+from tests.conftest import REPO, MachineConfig, User
 
 
 def run(user: User, event: Any, raw: bytes | None = None) -> dict[str, Any] | None:
@@ -363,6 +363,14 @@ def test_sessionstart_says_nothing_when_the_drop_in_is_current(user: User, tmp_p
     out, lines = sessionStart(user, tmp_path / "env.sh")
     assert out == ""
     assert lines
+
+
+def test_sessionstart_says_loudly_that_the_machine_only_observes(user: User, machineFile: MachineConfig, tmp_path: Path) -> None:
+    machineFile.write('[proxy]\nunlisted = "observe"\n')
+    user.writeConfig("")
+    out, _ = sessionStart(user, tmp_path / "env.sh")
+    assert hook.OBSERVING in json.loads(out)["systemMessage"]
+    assert "OBSERVING, NOT ENFORCING" in hook.OBSERVING
 
 
 def test_sessionstart_with_a_broken_config_still_unsets(user: User, tmp_path: Path) -> None:
