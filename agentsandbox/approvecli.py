@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -82,10 +83,16 @@ def exchange(message: dict[str, Any], path: str | None = None) -> dict[str, Any]
     return decode(data.split(b"\n", 1)[0])
 
 
-def parseFor(text: str) -> float:
-    from agentsandbox.audit import parseDuration
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
-    seconds = parseDuration(text)
+
+def parseFor(text: str) -> float:
+    """``--for``'s ``90``, ``30s``, ``10m``, ``2h``, ``7d``, ``1w`` in seconds (as ``log --since``)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a duration such as 30s, 10m, 2h or 7d")
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if seconds <= 0:
         raise ValueError(f"{text!r} is no time at all")
     return seconds
