@@ -354,8 +354,9 @@ class SandboxConfig:
         built-in rules read this one parse (a reload builds a new config, so a new one)."""
         return AllowList.parse(self.domains)
 
-    @property
+    @functools.cached_property
     def refusedList(self) -> AllowList:
+        """``refused_domains`` parsed, once per config, in the allow list's grammar."""
         return AllowList.parse(self.refused_domains)
 
 

@@ -168,7 +168,7 @@ def _delegatedGrant(grants: Callable[[str], bool]) -> Callable[[str], bool]:
     """``grants``, and any name entry: the machine asks the person about unlisted names,
     so the names a person listed are theirs.  Address entries (an IP, a CIDR, a
     loopback name with its port) stay the machine's: address rules are never asked."""
-    from agentsandbox.egress.rules import Entry
+    from agentsandbox.allowlist import Entry
 
     def delegated(text: str) -> bool:
         entry = Entry.parse(text)

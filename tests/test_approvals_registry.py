@@ -14,7 +14,7 @@ from agentsandbox.approvals import Answer
 from agentsandbox.config import Config, load
 from agentsandbox.configedit import HEADER, ConfigEditError, addEntry
 from agentsandbox.egress.approvals import ApprovalRegistry, Outcome, configWriter
-from tests.conftest import User
+from tests.conftest import REPO, User
 
 ASKING = '[proxy]\nunlisted = "ask"\nask_timeout = 30\nmax_held = 3\n'
 
@@ -176,3 +176,20 @@ def test_a_multi_line_list_stays_one_entry_a_line(tmp_path: Path) -> None:
     addEntry(str(path), "sandbox", "domains", "example.org")
     lines = path.read_text().splitlines()
     assert lines[2] == '  "github.com",  # for gh' and lines[3].strip() == '"example.org",'
+
+
+def test_the_answering_commands_import_no_twisted(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from agentsandbox.cli import main; rc = main(['approve', 'example.org', '--for', '10m']);"
+        "print(rc, [m for m in sys.modules if m.startswith('twisted')])"
+    )
+    env = {"PATH": os.environ["PATH"], "XDG_RUNTIME_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout == "1 []\n"
+    assert done.stderr == (
+        f"agentsandbox approve: no control socket at {tmp_path}/agentsandbox/control.sock: the agentsandbox "
+        "service is not running (start it: systemctl --user start agentsandbox, or agentsandbox serve)\n"
+    )

@@ -32,6 +32,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from agentsandbox.allowlist import EntryError, canonicalHost, suggestEntry
 from agentsandbox.approvals import (
     Answer,
     HeldRequest,
@@ -43,7 +44,6 @@ from agentsandbox.approvals import (
 )
 from agentsandbox.config import Config
 from agentsandbox.configedit import addEntry, userFileFor
-from agentsandbox.egress.rules import EntryError, canonicalHost, suggestEntry
 
 #: How many decided requests ``list`` shows.
 RECENT = 50

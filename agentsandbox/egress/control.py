@@ -54,8 +54,11 @@ class ControlProtocol(LineOnlyReceiver):
             self.pid, self.uid, _ = peerCredentials(self.transport.getHandle())
         except (OSError, AttributeError):
             self.pid, self.uid = 0, -1
+        #: Said in answer to the first line (a client that is still sending would
+        #: otherwise meet a closed socket instead of the words).
+        self.refusal: str | None = None
         if self.uid != self.factory.uid:
-            self._refuse(
+            self.refusal = (
                 f"this control socket answers only uid {self.factory.uid}; uid {self.uid} asked "
                 "(each user answers for their own service)"
             )
@@ -77,6 +80,9 @@ class ControlProtocol(LineOnlyReceiver):
 
     def lineReceived(self, line: bytes) -> None:
         if self.done or self.following:
+            return
+        if self.refusal is not None:
+            self._refuse(self.refusal)
             return
         try:
             message = decode(line)
