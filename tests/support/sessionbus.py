@@ -43,6 +43,19 @@ class SessionBus:
         assert out is not None
         return dict(json.loads(out.readline()))
 
+    def until(self, predicate: Any) -> dict[str, Any]:
+        """The server's reports, read (blocking) until one satisfies ``predicate``; that one."""
+        while True:
+            message = self.read()
+            if predicate(message):
+                return message
+
+    def send(self, line: str) -> None:
+        """A line to the server's stdin (``invoke ID KEY``, ``dismiss ID``)."""
+        assert self.server is not None and self.server.stdin is not None
+        self.server.stdin.write(line + "\n")
+        self.server.stdin.flush()
+
     def close(self) -> None:
         for p in (self.server, self.daemon):
             if p is not None:
