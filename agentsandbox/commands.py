@@ -144,7 +144,7 @@ def _checkHost(config: Config, target: str, resolve: bool, addressesOf: Any = No
     # The proxy's own readings: the authority parser of CONNECT (a bare host or
     # IPv6 literal takes port 443), then the gate every front door asks.
     from agentsandbox.allowlist import parseAuthority
-    from agentsandbox.egress.gate import Ask, Gate, Resolve
+    from agentsandbox.egress.gate import Ask, Gate, Observe, Resolve
     from agentsandbox.egress.grant import Grant, Refusal
     from agentsandbox.egress.names import ResolveError, addressesFromGetaddrinfo
 
@@ -166,6 +166,22 @@ def _checkHost(config: Config, target: str, resolve: bool, addressesOf: Any = No
             "resolving it, and the address rules still apply after an allow"
         )
         return 1
+    if isinstance(step, Observe):
+        print(
+            f"observed: {step.host}:{step.port} is not on sandbox.domains; with proxy.unlisted = \"observe\" "
+            f"the proxy lets it through and records it as would refuse ({step.name.reason}); "
+            "the address rules still apply"
+        )
+        step = gate.observed(step)
+        if not isinstance(step, Resolve):
+            return _printVerdict(step)
+        if not resolve:
+            return 0
+        try:
+            verdict = gate.resolved(step, (addressesOf or addressesFromGetaddrinfo)(step.host, step.port))
+        except ResolveError as e:
+            verdict = gate.unresolved(step, str(e))
+        return _printVerdict(verdict)
     if entry is None:
         assert isinstance(step, Refusal)
         print(f"refused: {step.reason}")

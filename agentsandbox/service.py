@@ -328,6 +328,8 @@ class AgentSandbox(MultiService):
             "refused": events["refused"] + events["peer"] + events["parse"],
             "failed": events["failed"],
             "withheld": events["withheld"],
+            # Unlisted hosts let through under proxy.unlisted = "observe" ("would refuse").
+            "observed": events["observed"],
             "sessions": self.sessions.sessions,
             "bytesUp": self.audit.bytesUp + sum(t.up for t in open_),
             "bytesDown": self.audit.bytesDown + sum(t.down for t in open_),

@@ -39,6 +39,7 @@ from agentsandbox.approvals import (
     decidedEvent,
     describeAnswer,
     heldEvent,
+    observedEvent,
     timedoutEvent,
     withdrawnEvent,
 )
@@ -291,6 +292,10 @@ class ApprovalRegistry:
         )
         self._tell(decidedEvent(request, answer))
         held.deferred.callback(Outcome(allowed, "allowed" if allowed else "denied", text))
+
+    def observed(self, host: str, port: int, kind: str) -> None:
+        """Observe mode let an unlisted host through: ``watch`` shows it (the door audits it)."""
+        self._tell(observedEvent(host, port, kind))
 
     def snapshot(self) -> dict[str, Any]:
         """The ``list`` reply's body."""

@@ -97,11 +97,29 @@ class Ask:
         return Refusal("policy", reason, allow=self.name.allow)
 
 
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """Not listed, and ``proxy.unlisted`` is observe: the door records it as "would
+    refuse" (``name.reason`` says why) and lets it on through ``Gate.observed``, where
+    the address rules still decide."""
+
+    name: HostDecision
+    reserve: bool
+
+    @property
+    def host(self) -> str:
+        return self.name.host
+
+    @property
+    def port(self) -> int:
+        return self.name.port
+
+
 #: A finished decision.
 Verdict = Grant | Refusal
 #: What ``Gate.decide`` returns: an answer to an ``Ask`` is then a Grant or a
 #: Refusal like any other, so ``Ask`` joins this union, not ``Verdict``.
-Step = Grant | Refusal | Resolve | Ask
+Step = Grant | Refusal | Resolve | Ask | Observe
 
 
 class TunnelSlots:
@@ -177,8 +195,8 @@ class Gate:
         """
         name = self.name(host, port)
         if name.entry is None:
-            if self.unlisted == "ask" and name.allow is not None and not _refusedLiteral(name):
-                return Ask(name, reserve)
+            if self.unlisted != "refuse" and name.allow is not None and not _refusedLiteral(name):
+                return Ask(name, reserve) if self.unlisted == "ask" else Observe(name, reserve)
             return Refusal("policy", name.reason, allow=name.allow)
         return self._afterName(name, reserve)
 
@@ -191,6 +209,18 @@ class Gate:
             HostDecision(name.host, name.port, None, f"{name.host}:{name.port} was allowed by the person", name.allow),
             ask.reserve,
         )
+
+    def observed(self, observe: Observe) -> Step:
+        """Observe mode lets an unlisted name on: steps 2 and 3 as for a listed one,
+        so the address rules still refuse loopback, private and metadata addresses."""
+        name = observe.name
+        return self._afterName(
+            HostDecision(
+                name.host, name.port, None,
+                f"{name.host}:{name.port} is not listed; let through because proxy.unlisted = \"observe\"", name.allow,
+            ),
+            observe.reserve,
+        )  # fmt: skip
 
     def _afterName(self, name: HostDecision, reserve: bool) -> Step:
         port = name.port
@@ -247,6 +277,11 @@ class Gate:
         if isinstance(step, Ask):
             # No one to hold a synchronous question for: not listed is refused.
             return step.refusal(step.name.reason)
+        if isinstance(step, Observe):
+            # As the proxy does: observing lets it on to the address rules.
+            step = self.observed(step)
+        if isinstance(step, Ask | Observe):  # (an observed step is never one again)
+            return Refusal("policy", step.name.reason, allow=step.name.allow)
         if not isinstance(step, Resolve):
             return step
         try:

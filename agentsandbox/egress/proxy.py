@@ -51,7 +51,7 @@ from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.approvals import ApprovalRegistry, Outcome
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
-from agentsandbox.egress.gate import Ask, Gate, Resolve, Step, TunnelSlots, Verdict
+from agentsandbox.egress.gate import Ask, Gate, Observe, Resolve, Step, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.interfaces import (
     ICountedTunnel,
@@ -347,6 +347,9 @@ class FrontDoor(Protocol):
             if isinstance(step, Ask):
                 self._ask(step, kind, then)
                 return
+            if isinstance(step, Observe):
+                self._observe(step, kind)
+                step = gate.observed(step)
         except Exception:
             self._bug(Failure())
             return
@@ -356,6 +359,8 @@ class FrontDoor(Protocol):
         if not isinstance(step, Resolve):
             if isinstance(step, Ask):  # (an approved step never asks again)
                 step = step.refusal(step.name.reason)
+            elif isinstance(step, Observe):  # (nor is an observed one observed again)
+                step = Refusal("policy", step.name.reason, allow=step.name.allow)
             then(step)
             return
         gate = self.gate
@@ -371,6 +376,18 @@ class FrontDoor(Protocol):
             self._bug(f)
 
         self.factory.resolver.resolve(step.host, step.port).addCallbacks(resolved, unresolved).addErrback(self._bug)
+
+    def _observe(self, observe: Observe, kind: str) -> None:
+        """``proxy.unlisted = "observe"``: an unlisted host goes on, recorded as
+        "would refuse" (the reason and the entry that would list it, which
+        ``agentsandbox suggest`` reads) and told to ``watch``."""
+        self.factory.record(
+            "observed", kind=kind, client=self.client, host=observe.host, port=observe.port,
+            reason=observe.name.reason, allow=observe.name.allow,
+        )  # fmt: skip
+        registry = self.factory.approvals
+        if registry is not None:
+            registry.observed(observe.host, observe.port, kind)
 
     def _ask(self, ask: Ask, kind: str, then: Callable[[Verdict], None]) -> None:
         """Hold an unlisted host for the person (``egress/approvals.py``): nothing is
