@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
-from egress import bulk, freePort, serveOrigin, stopAll, tunnelsPerSecond, waitPort  # noqa: E402
+from egress import bulk, cpuSeconds, freePort, serveOrigin, stopAll, tunnelsPerSecond, waitPort  # noqa: E402
 
 
 def serveProxy(port: int, bulkPort: int, echoPort: int, state: str, control: str) -> None:
@@ -97,8 +98,11 @@ def hold(proxyPort: int, control: str, n: int, start: int) -> list[socket.socket
 
 
 def release(socks: list[socket.socket], control: str) -> None:
-    """The clients go away; their requests are withdrawn."""
+    """The clients go away (a reset: a FIN alone is a half-close, after which a
+    client may still wait for its answer, so the proxy keeps it held); their
+    requests are withdrawn."""
     for s in socks:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()
     deadline = time.monotonic() + 30
     while heldCount(control):
@@ -152,55 +156,65 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 raise SystemExit("the control socket did not appear")
             time.sleep(0.05)
+        # Memory first, on a heap no earlier held request has left free room in:
+        # --held, then --memory-held more on top, each an RSS delta over its count.
+        pid = procs["proxy"].pid
+        memory = []
+        allHeld: list[socket.socket] = []
+        for n in (opts.held, opts.memory_held):
+            before = rss(pid)
+            allHeld += hold(proxyPort, control, n, serial)
+            serial += n
+            memory.append((n, before, rss(pid)))
+        release(allHeld, control)
         bulk(proxyPort, bulkPort, min(size, 64 << 20))  # warm up
         tunnelsPerSecond(proxyPort, echoPort, 500, opts.concurrency)
-        pid = procs["proxy"].pid
-        samples: dict[str, list[tuple[float, float]]] = {"nothing held": [], f"{opts.held} held": []}
+        samples: dict[str, list[tuple[float, float, float]]] = {"nothing held": [], f"{opts.held} held": []}
         for r in range(opts.rounds):
-            for label in samples:
+            # Each pair back to back, the order flipped every round: drift cancels.
+            for label in list(samples)[:: 1 if r % 2 == 0 else -1]:
                 socks: list[socket.socket] = []
                 if label != "nothing held":
                     socks = hold(proxyPort, control, opts.held, serial)
                     serial += opts.held
+                cpu = cpuSeconds(pid)
                 tps = tunnelsPerSecond(proxyPort, echoPort, opts.tunnels, opts.concurrency)
+                perCPU = opts.tunnels / max(cpuSeconds(pid) - cpu, 1e-9)
                 mbs = bulk(proxyPort, bulkPort, size)
                 if socks:
                     if heldCount(control) != opts.held:
                         raise SystemExit("a held request was let go during the measurement")
                     release(socks, control)
-                samples[label].append((tps, mbs))
-                print(f"  round {r + 1} {label:14s} {tps:8.0f} tunnels/s   bulk {mbs:8.0f} MB/s", flush=True)
-        memory = []
-        for n in (opts.held, opts.memory_held):
-            before = rss(pid)
-            socks = hold(proxyPort, control, n, serial)
-            serial += n
-            after = rss(pid)
-            memory.append((n, before, after))
-            release(socks, control)
+                samples[label].append((tps, mbs, perCPU))
+                print(
+                    f"  round {r + 1} {label:14s} {tps:8.0f} tunnels/s {perCPU:8.0f} tunnels/proxy CPU-s"
+                    f"   bulk {mbs:8.0f} MB/s",
+                    flush=True,
+                )
     finally:
         stopAll(procs.values())
         shutil.rmtree(work, ignore_errors=True)
 
     base, held = (samples[k] for k in samples)
-    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in samples.items()}
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in samples.items()}
     print()
     print(
         f"medians of {opts.rounds} rounds: {opts.tunnels} new tunnels at concurrency {opts.concurrency}; "
         f"bulk {opts.bulk_mib} MiB through one tunnel"
     )
-    for label, (tps, mbs) in med.items():
-        print(f"  {label:14s} {tps:8.0f} tunnels/s   bulk {mbs:8.0f} MB/s")
-    (t0, b0), (t1, b1) = med.values()
-    print(f"  with {opts.held} held vs nothing held: tunnels/s {t1 / t0:.2f}x, bulk {b1 / b0:.2f}x")
-    pairs = [(h[0] / b[0], h[1] / b[1]) for b, h in zip(base, held, strict=True)]
+    for label, (tps, mbs, perCPU) in med.items():
+        print(f"  {label:14s} {tps:8.0f} tunnels/s {perCPU:8.0f} tunnels/proxy CPU-s   bulk {mbs:8.0f} MB/s")
+    (t0, b0, c0), (t1, b1, c1) = med.values()
     print(
-        "  per-round pairs (back to back): tunnels/s "
-        + " ".join(f"{x:.2f}" for x, _ in pairs) + f" (median {statistics.median(x for x, _ in pairs):.2f}x); bulk "
-        + " ".join(f"{y:.2f}" for _, y in pairs) + f" (median {statistics.median(y for _, y in pairs):.2f}x)"
-    )  # fmt: skip
+        f"  with {opts.held} held vs nothing held: tunnels/s {t1 / t0:.2f}x, tunnels per proxy CPU-second "
+        f"{c1 / c0:.2f}x, bulk {b1 / b0:.2f}x"
+    )
+    for i, what in ((0, "tunnels/s"), (2, "tunnels per proxy CPU-second"), (1, "bulk")):
+        pairs = [h[i] / b[i] for b, h in zip(base, held, strict=True)]
+        shown = " ".join(f"{x:.2f}" for x in pairs)
+        print(f"  {what}, per-round pairs (back to back): {shown} (median {statistics.median(pairs):.2f}x)")
     for n, before, after in memory:
-        print(f"  RSS {before / 1024:.1f} MB -> {after / 1024:.1f} MB holding {n}: {(after - before) / n:.1f} kB per held request")
+        print(f"  RSS {before / 1024:.1f} MB -> {after / 1024:.1f} MB holding {n} more: {(after - before) / n:.1f} kB per held request")
     return 0
 
 
