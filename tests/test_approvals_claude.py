@@ -45,6 +45,8 @@ from tests.support.service_harness import LocalSite, ServiceProcess
 from tests.test_service_e2e import BRIDGES_UP, TOKEN, TOKEN_ENV
 
 HOST = "app.example.org"
+#: A host the person answers --always for.
+ALWAYS = "docs.example.org"
 SESSION_TIMEOUT = 150.0
 #: A bound on how long the person waits for Claude Code's command to be held.
 HOLD_WAIT = 90.0
@@ -81,10 +83,11 @@ def stack() -> Iterator[Stack]:
     service: ServiceProcess | None = None
     try:
         world.config.write_text(
+            "# The person's notes: an --always answer keeps them.\n"
             "[sandbox]\n"
             'read = ["~/docs"]\n'
             'write = ["~/work"]\n'
-            'domains = ["github.com"]\n'
+            'domains = ["github.com"]  # what the agent reaches\n'
             "\n[proxy]\n"
             f"port = {world.proxyPort}\n"
             'unlisted = "ask"\n'
@@ -99,7 +102,7 @@ def stack() -> Iterator[Stack]:
         serviceEnv = world.agentsandboxEnv()
         serviceEnv.update(XDG_RUNTIME_DIR=str(runtime), **{TOKEN_ENV: TOKEN})
         service = ServiceProcess(world.config, serviceEnv, base / "service", base / "fake-git",
-                                 routes={HOST: site.port}).start()
+                                 routes={HOST: site.port, ALWAYS: site.port}).start()
         yield Stack(world, runtime, site, service)
     finally:
         if service is not None:
@@ -221,3 +224,26 @@ def test_agentsandbox_run_cannot_answer(stack: Stack) -> None:
     ), done.stderr
     # Nothing was decided by it: the person's `approvals` shows no standing answer.
     assert not [r for r in stack.audit()[auditBefore:] if r["event"] == "decided"]
+
+
+def test_always_is_written_followed_by_the_watcher_and_outlives_a_restart(stack: Stack) -> None:
+    before = stack.world.config.read_text()
+    log = stack.service.logPath
+    reloads = log.read_text().count("config reloaded")
+    done = stack.agentsandbox("approve", ALWAYS, "--always")
+    assert done.returncode == 0, done.stderr
+    after = stack.world.config.read_text()
+    assert after == before.replace('domains = ["github.com"]', f'domains = ["github.com", "{ALWAYS}"]'), after
+    deadline = time.monotonic() + 30
+    while log.read_text().count("config reloaded") == reloads:  # the watcher follows the file
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    # A new service remembers nothing: only the file can let the host through now.
+    stack.service.stop()
+    stack.service.start()
+    got = subprocess.run(
+        ["curl", "-sS", "--noproxy", "", "-x", f"http://127.0.0.1:{stack.world.proxyPort}", f"http://{ALWAYS}/always"],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert got.stdout == f"{LocalSite.BODY}: /always\n", got
+    assert not [r for r in stack.audit() if r["event"] == "held" and r["host"] == ALWAYS]
