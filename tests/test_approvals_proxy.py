@@ -299,6 +299,26 @@ class AskingTests(TestCase):
         await waitFor(lambda: not self.registry._observers, "the follower's unsubscription")
 
     @deferredTest
+    async def test_a_second_service_leaves_a_live_socket_alone_and_a_stale_one_is_replaced(self) -> None:
+        await self._world()
+        inode = os.stat(self.socket).st_ino
+        second = ControlService(ControlFactory(self.registry), self.socket, reactor)
+        second.startService()
+        self.addCleanup(second.stopService)
+        self.assertEqual(os.stat(self.socket).st_ino, inode)
+        self.assertEqual((await self.cli("approvals"))[2], 0)
+        await self.control.stopService()
+        import socket
+
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(self.socket)  # a file nobody listens on: a service that died
+        stale.close()
+        self.assertEqual((await self.cli("approvals"))[2], 1)  # nothing answers there
+        self.control.startService()
+        await waitFor(lambda: self.control.port is not None, "the control socket again")
+        self.assertEqual((await self.cli("approvals"))[2], 0)
+
+    @deferredTest
     async def test_the_socket_is_the_users_alone(self) -> None:
         await self._world()
         self.assertEqual(stat.S_IMODE(os.stat(self.socket).st_mode), 0o600)
