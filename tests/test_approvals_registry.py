@@ -193,3 +193,12 @@ def test_the_answering_commands_import_no_twisted(tmp_path: Path) -> None:
         f"agentsandbox approve: no control socket at {tmp_path}/agentsandbox/control.sock: the agentsandbox "
         "service is not running (start it: systemctl --user start agentsandbox, or agentsandbox serve)\n"
     )
+
+
+def test_an_always_the_config_would_refuse_is_not_written(world: World, user: User) -> None:
+    before = user.configFile.read_text()
+    with pytest.raises(ValueError, match=r"would open every loopback port"):
+        world.registry.answer("localhost", Answer("allow", "always", by="cli"))
+    assert user.configFile.read_text() == before
+    with pytest.raises(ValueError, match=r"no request 7 is waiting"):
+        world.registry.answer("7", Answer("allow", "always", by="cli"))
