@@ -8,13 +8,13 @@ no request can start with (a TLS ClientHello, a SOCKS4 request: 400, a
 ``FrontDoor.openTunnel`` for a tunnel.  The decision is the gate's
 (``gate.py``, sans IO: the name, a tunnel slot, the addresses, the parent
 fallback); the door only resolves a name when the gate asks it to
-(``gate.Resolve``), through the ``IResolver``, and then:
-
-4. hosts the ``ITerminator`` says it ``injects`` (an inject rule, port 443)
-   go to it (never dialled here), asked when the grant is made and handed
-   over at once, so the answer and the routes that serve it are the same;
-   everything else is dialled at the checked addresses in order, the next one
-   tried when one fails, directly or through ``proxy.parent``.
+(``gate.Resolve``), through the ``IResolver``.  A granted tunnel to a host the
+``ITerminator`` says it ``injects`` (an inject rule, port 443) goes to it
+(never dialled here), asked when the grant is made and handed over at once, so
+the answer and the routes that serve it are the same; everything else is
+dialled at the checked addresses in order, the next one tried when one fails,
+directly or through ``proxy.parent``.  The door's ``Phase`` says which of
+these it is in.
 
 Each decision is one audit record.  The config and its gate are read from the
 factory when a connection arrives (the factory swaps its gate when its
