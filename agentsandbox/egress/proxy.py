@@ -126,6 +126,8 @@ class FrontDoor(Protocol):
 
     def __init__(self, factory: EgressProxyFactory) -> None:
         self.factory = factory
+        #: ``IFrontDoor.record``: the factory's own, bound (no second packing of the fields).
+        self.record: Callable[..., None] = factory.record
         self.config: Config = factory.holder.current
         #: The gate of ``config``: the one this connection's decisions ask.
         self.gate: Gate = factory.gate
@@ -264,9 +266,6 @@ class FrontDoor(Protocol):
             self.factory.terminatedClosed(self, self.terminatedAs)
 
     # -------------------------------------------------------------- IFrontDoor: for handlers
-    def record(self, event: str, **fields: Any) -> None:
-        self.factory.record(event, **fields)
-
     def logFailure(self, why: str, failure: Failure) -> None:
         self.factory.log.failure("egress: {why} for {client}", failure, why=why, client=self.client)
 
