@@ -230,23 +230,21 @@ class FrontDoor(Protocol):
             self.parseError("internal", "the proxy failed to parse the request", b"")
 
     def readConnectionLost(self) -> None:
-        phase = self.phase
-        if phase is Phase.DECIDING:
-            # The client said all it had to say before the tunnel opened (a
-            # request, then EOF); the next reader gets the EOF (``_handOn``).
-            self.pendingEOF = True
-        elif phase is Phase.SPLICED:
-            assert self.tunnel is not None
-            self.tunnel.clientReadLost()
-        elif phase is Phase.TERMINATED:
-            if self.halfClose is not None:
+        match self.phase:
+            case Phase.DECIDING:
+                # The client said all it had to say before the tunnel opened (a
+                # request, then EOF); the next reader gets the EOF (``_handOn``).
+                self.pendingEOF = True
+            case Phase.SPLICED:
+                assert self.tunnel is not None
+                self.tunnel.clientReadLost()
+            case Phase.TERMINATED if self.halfClose is not None:
                 self.halfClose.readConnectionLost()
-            else:
+            case Phase.READING if self.handler is not None:
+                self.handler.readConnectionLost()
+            case _:
+                # No reader that takes a half-close: the connection ends.
                 self.transport.loseConnection()
-        elif phase is Phase.READING and self.handler is not None:
-            self.handler.readConnectionLost()
-        else:
-            self.transport.loseConnection()
 
     def writeConnectionLost(self) -> None:
         if self.phase is Phase.TERMINATED and self.halfClose is not None:
