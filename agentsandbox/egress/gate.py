@@ -22,8 +22,11 @@ cannot decide or word differently.
 
 Issue 28 adds a third verdict, ``Ask`` (hold an unlisted host for a person to
 decide), at step 1: where ``decide`` now refuses a name that is merely not
-listed, it will return ``Ask``; ``Step`` below is the one union to widen, and
-callers that switch on ``Grant``/``Refusal``/``Resolve`` gain one branch.
+listed (``HostDecision.allow`` is set), it will return ``Ask``.  ``Step``
+below is the one union to widen, and the callers that switch on it gain one
+branch each: ``proxy.FrontDoor.decide`` (which turns a ``Step`` into the
+``Verdict`` every handler already takes, so no handler changes) and
+``decideResolving`` (``check host`` and the hook, which ask no one).
 
 One gate per config: ``EgressProxyFactory`` builds one for each config its
 ``ConfigHolder`` serves, so the decision caches (measured by
