@@ -229,3 +229,15 @@ def test_the_journal_and_log_say_each_approvals_record(tmp_path: Path, capsys: p
     ]
     assert logMain(["--file", str(path), "--denied"]) == 0
     assert capsys.readouterr().out.count("approvals: ") == 3
+
+
+def test_the_starter_config_explains_ask(user: User) -> None:
+    from agentsandbox.config import loads
+    from agentsandbox.paths import Paths
+    from agentsandbox.setup import starterConfig
+
+    text = starterConfig(False)
+    assert '# unlisted = "refuse"' in text and "agentsandbox approvals / approve HOST / deny HOST" in text
+    assert "# refused_domains = []" in text
+    config = loads(text.replace('# unlisted = "refuse"', 'unlisted = "ask"').encode(), "starter", Paths.fromEnvironment(user.env))
+    assert config.proxy.unlisted == "ask" and config.proxy.ask_timeout == 90.0
