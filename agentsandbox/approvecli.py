@@ -47,7 +47,14 @@ def socketPath(environ: dict[str, str] | None = None) -> str:
 def exchange(message: dict[str, Any], path: str | None = None) -> dict[str, Any]:
     """Send one request to the service and read its one reply."""
     path = path or socketPath()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as e:
+        # Claude Code's sandbox (seccomp) forbids Unix sockets altogether.
+        raise NotServing(
+            f"this process may not open a Unix socket ({e.strerror or e}): it runs in a sandbox, "
+            "and answers come only from your own terminal"
+        ) from None
     sock.settimeout(TIMEOUT)
     try:
         try:

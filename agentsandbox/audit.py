@@ -277,6 +277,14 @@ def _parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def _isDenial(rec: dict[str, Any]) -> bool:
+    """A refusal of any kind: the proxy's, a person's deny, nobody answering, a control request refused."""
+    event = rec.get("event")
+    return event in ("refused", "peer", "parse", "withheld", "timedout", "control") or (
+        event == "decided" and rec.get("verdict") == "deny"
+    )
+
+
 def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     parser = _parser("log", "Show the egress decision log.")
     parser.add_argument("--denied", action="store_true", help="only refusals")
@@ -291,7 +299,7 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     for rec in readRecords(_auditPath("log", args)):
         if since is not None and rec["ts"] < since:
             continue
-        if args.denied and rec.get("event") not in ("refused", "peer", "parse", "withheld"):
+        if args.denied and not _isDenial(rec):
             continue
         if args.session is not None and rec.get("session") != args.session:
             continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import tomlkit
@@ -51,14 +52,23 @@ def _underEtc(path: str) -> bool:
     return real == "/etc" or real.startswith("/etc/")
 
 
-def addEntry(path: str, table: str, key: str, entry: str, seed: tuple[str, ...] = ()) -> bool:
+def addEntry(
+    path: str,
+    table: str,
+    key: str,
+    entry: str,
+    seed: tuple[str, ...] = (),
+    check: Callable[[str], object] | None = None,
+) -> bool:
     """Append ``entry`` to ``[table] key`` of ``path``; False when it is there already.
 
     Where the file has no such key, the list starts as ``seed``: the values in
     force now, because a list written in the file replaces them (a fresh
     ``sandbox.domains = ["example.org"]`` would drop GitHub's hosts).  Creates
     the file (and its directory, 0700) with a header comment when missing.
-    Raises ConfigEditError with words for the person.
+    ``check`` gets the new text before it replaces the file and raises (with
+    words) when that text must not be written: a file the config loader would
+    refuse would stop every session.  Raises ConfigEditError with words for the person.
     """
     if _underEtc(path):
         raise ConfigEditError(f"{path} is under /etc, the machine's: an answer never writes there")
@@ -94,7 +104,13 @@ def addEntry(path: str, table: str, key: str, entry: str, seed: tuple[str, ...] 
         values.add_line(entry)
     else:
         values.append(entry)
-    _replace(path, tomlkit.dumps(doc), mode)
+    text = tomlkit.dumps(doc)
+    if check is not None:
+        try:
+            check(text)
+        except Exception as e:
+            raise ConfigEditError(f"{path} was left as it was: with {entry!r} it would not load ({e})") from None
+    _replace(path, text, mode)
     return True
 
 

@@ -88,12 +88,10 @@ def readProcess(pid: int, proc: str = "/proc") -> ProcessInfo | None:
 
 
 def agentOf(info: ProcessInfo) -> str | None:
-    """What sandbox or agent ``info`` is, or None."""
+    """What sandbox or agent ``info`` is, by its binary and arguments, or None."""
     exeName = os.path.basename((info.exe or "").removesuffix(" (deleted)"))
     arg0 = os.path.basename(info.argv[0]) if info.argv else ""
     words = " ".join(info.argv[:4])
-    if info.claudeEnv:
-        return "a command Claude Code started (CLAUDECODE is set)"
     if exeName in ("claude", "claude.exe") or arg0 in ("claude", "claude.exe") or _CLAUDE_PACKAGE in words:
         return "Claude Code"
     if exeName == "bwrap" or arg0 == "bwrap" or info.name == "bwrap":
@@ -144,20 +142,28 @@ def whyNotThePerson(pid: int, reference: Mapping[str, str] | None, proc: str = "
             f"process {pid} runs in other {'/'.join(differs)} namespaces than your session "
             "(a sandbox, or unshare): answers come only from outside every sandbox"
         )
+    chain: list[ProcessInfo] = []
     current = pid
-    for _ in range(MAX_DEPTH):
+    while True:
+        if len(chain) >= MAX_DEPTH:
+            return f"the process chain of {pid} is deeper than {MAX_DEPTH}, so it was not read to its end"
         info = readProcess(current, proc)
         if info is None:
             # Gone while we looked (or unreadable): it cannot vouch for the chain.
             return f"process {current}, an ancestor of the asking process {pid}, could not be read"
-        agent = agentOf(info)
-        if agent is not None:
-            whose = "the asking process" if current == pid else f"its ancestor {info.describe()}"
-            return (
-                f"{whose} is {agent}: an agent or a sandbox may not answer for the person; "
-                "answer from your own terminal"
-            )
+        chain.append(info)
         if info.ppid <= 1:
-            return None
+            break
         current = info.ppid
-    return f"the process chain of {pid} is deeper than {MAX_DEPTH}, so it was not read to its end"
+    # The agent itself first, by its binary (the more precise words), then the
+    # variable Claude Code leaves in what it started (which outlives a broken chain).
+    found = [(info, agent) for info in chain if (agent := agentOf(info)) is not None]
+    found = found or [(info, _CLAUDE_STARTED) for info in chain if info.claudeEnv]
+    if not found:
+        return None
+    info, agent = found[0]
+    whose = "the asking process" if info.pid == pid else f"its ancestor {info.describe()}"
+    return f"{whose} is {agent}: an agent or a sandbox may not answer for the person; answer from your own terminal"
+
+
+_CLAUDE_STARTED = "a command Claude Code started (CLAUDECODE is set)"

@@ -277,6 +277,48 @@ class AskingTests(TestCase):
         self.assertEqual((await waiting)[0], b"hello\n")
 
     @deferredTest
+    async def test_follow_streams_the_list_then_each_event(self) -> None:
+        await self._world()
+        client = (
+            "import socket,sys;s=socket.socket(socket.AF_UNIX);s.connect(sys.argv[1]);"
+            "s.sendall(b'{\"op\":\"follow\"}\\n');f=s.makefile('rb')\n"
+            "for _ in range(3): sys.stdout.write(f.readline().decode())"
+        )
+        following = getProcessOutputAndValue(sys.executable, ("-c", client, self.socket), env=self.env)
+        await waitFor(lambda: len(self.registry._observers) == 1, "the follower's subscription")
+        waiting = self.viaForward("app.example.org")
+        await self.held()
+        await self.cli("approve", "app.example.org")
+        await waiting
+        out, err, code = await following
+        self.assertEqual(code, 0, err)
+        lines = [json.loads(line) for line in out.decode().splitlines()]
+        self.assertEqual((lines[0]["ok"], lines[0]["mode"], lines[0]["held"]), (True, "ask", []))
+        self.assertEqual([line["event"] for line in lines[1:]], ["held", "decided"])
+        self.assertEqual(lines[2]["answer"]["scope"], "once")
+        await waitFor(lambda: not self.registry._observers, "the follower's unsubscription")
+
+    @deferredTest
+    async def test_a_second_service_leaves_a_live_socket_alone_and_a_stale_one_is_replaced(self) -> None:
+        await self._world()
+        inode = os.stat(self.socket).st_ino
+        second = ControlService(ControlFactory(self.registry), self.socket, reactor)
+        second.startService()
+        self.addCleanup(second.stopService)
+        self.assertEqual(os.stat(self.socket).st_ino, inode)
+        self.assertEqual((await self.cli("approvals"))[2], 0)
+        await self.control.stopService()
+        import socket
+
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(self.socket)  # a file nobody listens on: a service that died
+        stale.close()
+        self.assertEqual((await self.cli("approvals"))[2], 1)  # nothing answers there
+        self.control.startService()
+        await waitFor(lambda: self.control.port is not None, "the control socket again")
+        self.assertEqual((await self.cli("approvals"))[2], 0)
+
+    @deferredTest
     async def test_the_socket_is_the_users_alone(self) -> None:
         await self._world()
         self.assertEqual(stat.S_IMODE(os.stat(self.socket).st_mode), 0o600)

@@ -193,3 +193,51 @@ def test_the_answering_commands_import_no_twisted(tmp_path: Path) -> None:
         f"agentsandbox approve: no control socket at {tmp_path}/agentsandbox/control.sock: the agentsandbox "
         "service is not running (start it: systemctl --user start agentsandbox, or agentsandbox serve)\n"
     )
+
+
+def test_an_always_the_config_would_refuse_is_not_written(world: World, user: User) -> None:
+    before = user.configFile.read_text()
+    with pytest.raises(ValueError, match=r"would open every loopback port"):
+        world.registry.answer("localhost", Answer("allow", "always", by="cli"))
+    assert user.configFile.read_text() == before
+    with pytest.raises(ValueError, match=r"no request 7 is waiting"):
+        world.registry.answer("7", Answer("allow", "always", by="cli"))
+
+
+def test_the_journal_and_log_say_each_approvals_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentsandbox.audit import AuditLog, journalLine, logMain
+
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), journal=False)
+    base = {"kind": "connect", "client": "127.0.0.1:5", "host": "example.org", "port": 443, "id": "3"}
+    lines = [
+        journalLine(audit.record("held", **base, reason="held for the person's answer (up to 90s, proxy.ask_timeout)")),
+        journalLine(audit.record("decided", **base, by="agentsandbox approve (pid 9 sh, uid 1)", verdict="allow",
+                                 scope="for", seconds=600.0, reason="allowed")),
+        journalLine(audit.record("decided", **base, by="watch", verdict="deny", scope="once", reason="no")),
+        journalLine(audit.record("timedout", **base, reason="nobody answered")),
+        journalLine(audit.record("control", client="pid 9 uid 1", reason="the answer was not taken: x")),
+    ]
+    audit.close()
+    assert lines == [
+        "approvals: holding connect example.org:443 from 127.0.0.1:5 (request 3): held for the person's answer "
+        "(up to 90s, proxy.ask_timeout)",
+        "approvals: allow for 600s example.org:443 (request 3) by agentsandbox approve (pid 9 sh, uid 1)",
+        "approvals: deny once example.org:443 (request 3) by watch",
+        "approvals: nobody answered for example.org:443 (request 3): nobody answered",
+        "approvals: refused a control request from pid 9 uid 1: the answer was not taken: x",
+    ]
+    assert logMain(["--file", str(path), "--denied"]) == 0
+    assert capsys.readouterr().out.count("approvals: ") == 3
+
+
+def test_the_starter_config_explains_ask(user: User) -> None:
+    from agentsandbox.config import loads
+    from agentsandbox.paths import Paths
+    from agentsandbox.setup import starterConfig
+
+    text = starterConfig(False)
+    assert '# unlisted = "refuse"' in text and "agentsandbox approvals / approve HOST / deny HOST" in text
+    assert "# refused_domains = []" in text
+    config = loads(text.replace('# unlisted = "refuse"', 'unlisted = "ask"').encode(), "starter", Paths.fromEnvironment(user.env))
+    assert config.proxy.unlisted == "ask" and config.proxy.ask_timeout == 90.0

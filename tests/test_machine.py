@@ -376,6 +376,12 @@ def test_unlisted_is_at_most_the_machines(user: User, machineFile: MachineConfig
     assert load(None, user.env).proxy.unlisted == "ask"  # not given: the machine's
 
 
+def test_one_order_of_permissiveness() -> None:
+    from agentsandbox import config, machine
+
+    assert machine.UNLISTED == config.UNLISTED == ("refuse", "ask", "observe")
+
+
 def test_without_a_machine_config_unlisted_is_the_users_choice(user: User, machineFile: MachineConfig) -> None:
     assert load(None, user.env).proxy.unlisted == "refuse"
     user.writeConfig('[proxy]\nunlisted = "observe"\n')

@@ -43,7 +43,7 @@ from agentsandbox.approvals import (
     timedoutEvent,
     withdrawnEvent,
 )
-from agentsandbox.config import Config
+from agentsandbox.config import Config, loads
 from agentsandbox.configedit import addEntry, userFileFor
 
 #: How many decided requests ``list`` shows.
@@ -108,7 +108,7 @@ def configWriter(config: Callable[[], Config]) -> Writer:
         current = config()
         path = userFileFor(current.source, current.machine, current.paths.userConfig)
         seed = current.sandbox.domains if key == "domains" else current.sandbox.refused_domains
-        addEntry(path, "sandbox", key, entry, seed)
+        addEntry(path, "sandbox", key, entry, seed, lambda text: loads(text.encode(), path, current.paths))
         return path
 
     return write
@@ -234,6 +234,8 @@ class ApprovalRegistry:
         if byId is not None:
             host = byId.request.host
             matched = [byId]
+        elif target.isdigit():
+            raise ValueError(f"no request {target} is waiting (`agentsandbox approvals` lists them)")
         else:
             try:
                 host = canonicalHost(target)

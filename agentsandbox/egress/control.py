@@ -162,6 +162,18 @@ class ControlFactory(Factory):
             self._record(event, **fields)
 
 
+def _answers(path: str) -> bool:
+    """Whether a live service listens on ``path`` (a refused connect means a stale file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 class ControlService(Service):
     """Listens on the control socket while the service runs; removes it when stopping."""
 
@@ -180,6 +192,12 @@ class ControlService(Service):
             os.makedirs(directory, mode=0o700, exist_ok=True)
             os.chmod(directory, 0o700)
             if os.path.lexists(self.path):
+                if _answers(self.path):
+                    self.log.error(
+                        "approvals: another service answers on {path}; this one takes no answers",
+                        path=self.path,
+                    )
+                    return
                 # Ours (the directory is ours alone): a service that stopped without removing it.
                 os.unlink(self.path)
         except OSError as e:

@@ -59,6 +59,7 @@ from agentsandbox.egress.http11 import (
     oneHost,
     takeResponseHead,
 )
+from agentsandbox.egress.interfaces import IDoorHandler, IFrontDoor
 from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.sessions import passwordOf
 from agentsandbox.egress.writenow import writeNow
@@ -66,7 +67,6 @@ from agentsandbox.egress.writenow import writeNow
 if TYPE_CHECKING:
     from agentsandbox.egress.gate import Verdict
     from agentsandbox.egress.grant import Grant
-    from agentsandbox.egress.proxy import FrontDoor
 
 #: A pipelining client may not run further ahead than this while we answer.
 MAX_READ_AHEAD = 256 * 1024
@@ -99,6 +99,7 @@ def parseAuthority(target: str) -> tuple[str, int] | None:
     return rulesAuthority(target)
 
 
+@implementer(IDoorHandler)
 class HTTPHandler:
     """Reads the client's requests (an ``http11.RequestFramer``) and serves
     CONNECT and absolute-form forwarding.
@@ -109,7 +110,7 @@ class HTTPHandler:
 
     kind = "http"
 
-    def __init__(self, door: FrontDoor) -> None:
+    def __init__(self, door: IFrontDoor) -> None:
         self.door = door
         self.requests = RequestFramer()
         self.exchange: ForwardExchange | None = None
@@ -364,22 +365,21 @@ class ForwardExchange:
             self._refused(verdict)
             return
         self.grant = verdict
-        self.door.factory.connect(self.door.config, verdict, ForwardUpstream(self)).addErrback(self._dialFailed)
+        self.door.connect(verdict, ForwardUpstream(self)).addErrback(self._dialFailed)
 
     def _dialFailed(self, f: Failure) -> None:
         # The dial's errback carries a RefusalError (could not connect, the parent said no).
         if f.check(RefusalError):
             self._refused(refusalOf(f))
             return
-        self.door.factory.log.failure("egress: forward setup failed", f)
+        self.door.logFailure("forward setup failed", f)
         self._refused(Refusal("dial", "the proxy failed to set up the request"))
 
     def _refused(self, r: Refusal) -> None:
         if self.done:
             return
-        factory = self.door.factory
         event = "refused" if r.kind == "policy" else "failed"
-        factory.record(
+        self.door.record(
             event,
             kind="http",
             client=self.door.client,
@@ -517,7 +517,7 @@ class ForwardExchange:
             pass
         client.resumeProducing()
         grant = self.grant
-        self.door.factory.record(
+        self.door.record(
             "forward",
             kind="http",
             client=self.door.client,

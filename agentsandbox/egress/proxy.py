@@ -8,13 +8,13 @@ no request can start with (a TLS ClientHello, a SOCKS4 request: 400, a
 ``FrontDoor.openTunnel`` for a tunnel.  The decision is the gate's
 (``gate.py``, sans IO: the name, a tunnel slot, the addresses, the parent
 fallback); the door only resolves a name when the gate asks it to
-(``gate.Resolve``), through the ``IResolver``, and then:
-
-4. hosts the ``ITerminator`` says it ``injects`` (an inject rule, port 443)
-   go to it (never dialled here), asked when the grant is made and handed
-   over at once, so the answer and the routes that serve it are the same;
-   everything else is dialled at the checked addresses in order, the next one
-   tried when one fails, directly or through ``proxy.parent``.
+(``gate.Resolve``), through the ``IResolver``.  A granted tunnel to a host the
+``ITerminator`` says it ``injects`` (an inject rule, port 443) goes to it
+(never dialled here), asked when the grant is made and handed over at once, so
+the answer and the routes that serve it are the same; everything else is
+dialled at the checked addresses in order, the next one tried when one fails,
+directly or through ``proxy.parent``.  The door's ``Phase`` says which of
+these it is in.
 
 Each decision is one audit record.  The config and its gate are read from the
 factory when a connection arrives (the factory swaps its gate when its
@@ -24,6 +24,7 @@ leaves open tunnels alone, slots included.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,9 +54,12 @@ from agentsandbox.egress.approvals import ApprovalRegistry, Outcome
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.gate import Ask, Gate, Observe, Resolve, Step, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
+from agentsandbox.egress.http import HTTPHandler, ParentHandshake
 from agentsandbox.egress.interfaces import (
     ICountedTunnel,
     IDialer,
+    IDoorHandler,
+    IFrontDoor,
     IPeerChecker,
     IResolver,
     ITerminator,
@@ -64,6 +68,7 @@ from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.peer import SameUserPeers
 from agentsandbox.egress.resolve import ResolveError, SystemResolver
 from agentsandbox.egress.sessions import SessionRegistry
+from agentsandbox.egress.socks import SocksHandler
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder
 
@@ -76,19 +81,27 @@ ZERO_COPY_AFTER = 256 * 1024
 #: Whether splice(2) can take tunnels over here (Linux, Python 3.10+).
 _ZERO_COPY = zeroCopyAvailable()
 
-_HANDLERS: dict[bool, Any] = {}
+#: The handler for a connection, by whether its first byte is SOCKS5's version.
+#: The handlers know the door only as an ``IFrontDoor``, so nothing imports back.
+HANDLERS: dict[bool, Callable[[IFrontDoor], IDoorHandler]] = {True: SocksHandler, False: HTTPHandler}
 
 
-def _handlerClass(socks: bool) -> Any:
-    """The handler class for a connection's first byte (imported once: they import this module)."""
-    found = _HANDLERS.get(socks)
-    if found is None:
-        if socks:
-            from agentsandbox.egress.socks import SocksHandler as found
-        else:
-            from agentsandbox.egress.http import HTTPHandler as found
-        _HANDLERS[socks] = found
-    return found
+class Phase(enum.Enum):
+    """Where a front door is: each phase says who reads the client's bytes.
+
+    ``READING`` (a handler parses the request) → ``DECIDING`` (the gate, the
+    resolver, the dial: the client's bytes are held) → ``SPLICED`` (a
+    ``Tunnel`` copies them upstream) or ``TERMINATED`` (the ``ITerminator``'s
+    protocol reads them) → ``CLOSED``.  A refused decision goes back to
+    ``READING`` (the handler answers and closes); any phase may end in
+    ``CLOSED``.  ``FrontDoor._become`` is the one place it changes.
+    """
+
+    READING = "reading"
+    DECIDING = "deciding"
+    SPLICED = "spliced"
+    TERMINATED = "terminated"
+    CLOSED = "closed"
 
 
 def parseParent(url: str) -> tuple[str, int]:
@@ -98,9 +111,15 @@ def parseParent(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-@implementer(IHalfCloseableProtocol)
+@implementer(IHalfCloseableProtocol, IFrontDoor)
 class FrontDoor(Protocol):
-    """One client connection: peer check, protocol choice, then a handler or a tunnel."""
+    """One client connection: peer check, protocol choice, then a handler or a tunnel.
+
+    Its ``phase`` (``Phase``) says who reads the client's bytes.  Once spliced
+    or terminated, ``dataReceived`` is the reader's own bound method, set on
+    the instance by ``_become``: the hot path is one attribute read and one
+    call, with no phase test in between.
+    """
 
     factory: EgressProxyFactory
     #: A TCP transport (ITCPTransport with producer and half-close methods).
@@ -108,21 +127,27 @@ class FrontDoor(Protocol):
 
     def __init__(self, factory: EgressProxyFactory) -> None:
         self.factory = factory
+        #: ``IFrontDoor.record``: the factory's own, bound (no second packing of the fields).
+        self.record: Callable[..., None] = factory.record
         self.config: Config = factory.holder.current
         #: The gate of ``config``: the one this connection's decisions ask.
         self.gate: Gate = factory.gate
-        self.handler: Any = None
-        self.client = "?"
-        self.pending: list[bytes] = []
+        self.phase = Phase.READING
+        #: ``phase is Phase.CLOSED``, kept as a plain attribute: handlers read it per part.
         self.gone = False
+        self.handler: IDoorHandler | None = None
+        self.client = "?"
+        #: The client's bytes (and EOF) that came while ``DECIDING``, for the next reader.
+        self.pending: list[bytes] = []
+        self.pendingEOF = False
         self.tunnel: Tunnel | None = None
         self.terminated: IProtocol | None = None
+        #: ``terminated`` when it takes half-closes (``IHalfCloseableProtocol``).
+        self.halfClose: IHalfCloseableProtocol | None = None
         #: (kind, grant, when) of the terminated tunnel, for its audit record.
         self.terminatedAs: tuple[str, Grant, float] | None = None
-        self.awaiting = False
         #: The person's answer this connection waits for (proxy.unlisted = "ask").
         self.held: Deferred[Outcome] | None = None
-        self.pendingEOF = False
         self.paused = False
         self.headerDeadline: float | None = None
 
@@ -156,7 +181,7 @@ class FrontDoor(Protocol):
         why = self.factory.peers.check(peer, host)
         if why is not None:
             self.factory.record("peer", client=self.client, reason=why)
-            self.gone = True
+            self._become(Phase.CLOSED)
             self.transport.abortConnection()
             return
         # However the socket came (bound port, socket activation, the dispatcher).
@@ -174,50 +199,62 @@ class FrontDoor(Protocol):
     def _headerTimeout(self) -> None:
         self.headerDeadline = None
         self.parseError(
-            "http" if self.handler is None else self.handler.kind if hasattr(self.handler, "kind") else "socks",
+            "http" if self.handler is None else self.handler.kind,
             f"no complete request within {self.config.proxy.header_timeout:g}s (proxy.header_timeout)",
             b"",
         )
 
+    def _become(self, phase: Phase, receive: Callable[[bytes], None] | None = None) -> None:
+        """The one place the door's phase changes.
+
+        Spliced or terminated, ``receive`` (the tunnel's or the terminator's
+        reader) takes the client's bytes from now on, straight from the
+        transport: set on the instance, it shadows our ``dataReceived``.
+        """
+        if self.phase is Phase.CLOSED:
+            return  # the last phase: nothing reopens a closed door
+        self.phase = phase
+        self.gone = phase is Phase.CLOSED
+        if receive is not None:
+            self.dataReceived = receive  # type: ignore[method-assign,assignment]
+
     def dataReceived(self, data: bytes) -> None:
-        terminated = self.terminated
-        if terminated is not None:
-            terminated.dataReceived(data)
-            return
+        # READING and DECIDING only: the other phases read through ``_become``'s reader.
         if self.gone or not data:
             return
-        if self.handler is None:
-            self.handler = _handlerClass(data[0] == SOCKS_VERSION)(self)
+        handler = self.handler
+        if handler is None:
+            handler = self.handler = HANDLERS[data[0] == SOCKS_VERSION](self)
         try:
-            self.handler.dataReceived(data)
+            handler.dataReceived(data)
         except Exception:
             # A parser bug must cost this one connection, never the proxy.
             self.factory.log.failure("egress: handler failed for {client}", client=self.client)
             self.parseError("internal", "the proxy failed to parse the request", b"")
 
     def readConnectionLost(self) -> None:
-        if self.awaiting:
-            # The client said all it had to say before the tunnel opened (a
-            # request, then EOF); deliver the EOF once the tunnel exists.
-            self.pendingEOF = True
-        elif self.tunnel is not None:
-            self.tunnel.clientReadLost()
-        elif self.terminated is not None:
-            if IHalfCloseableProtocol.providedBy(self.terminated):
-                self.terminated.readConnectionLost()
-            else:
+        match self.phase:
+            case Phase.DECIDING:
+                # The client said all it had to say before the tunnel opened (a
+                # request, then EOF); the next reader gets the EOF (``_handOn``).
+                self.pendingEOF = True
+            case Phase.SPLICED:
+                assert self.tunnel is not None
+                self.tunnel.clientReadLost()
+            case Phase.TERMINATED if self.halfClose is not None:
+                self.halfClose.readConnectionLost()
+            case Phase.READING if self.handler is not None:
+                self.handler.readConnectionLost()
+            case _:
+                # No reader that takes a half-close: the connection ends.
                 self.transport.loseConnection()
-        elif self.handler is not None and hasattr(self.handler, "readConnectionLost"):
-            self.handler.readConnectionLost()
-        else:
-            self.transport.loseConnection()
 
     def writeConnectionLost(self) -> None:
-        if self.terminated is not None and IHalfCloseableProtocol.providedBy(self.terminated):
-            self.terminated.writeConnectionLost()
+        if self.phase is Phase.TERMINATED and self.halfClose is not None:
+            self.halfClose.writeConnectionLost()
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        self.gone = True
+        self._become(Phase.CLOSED)
         self.cancelHeaderTimer()
         held, self.held = self.held, None
         if held is not None:
@@ -227,12 +264,18 @@ class FrontDoor(Protocol):
             self.tunnel.clientLost(reason)
         elif self.terminated is not None:
             self.terminated.connectionLost(reason)
-        if self.handler is not None and hasattr(self.handler, "connectionLost"):
+        if self.handler is not None:
             self.handler.connectionLost(reason)
         if self.terminatedAs is not None:
             self.factory.terminatedClosed(self, self.terminatedAs)
 
-    # -------------------------------------------------------------- helpers for handlers
+    # -------------------------------------------------------------- IFrontDoor: for handlers
+    def logFailure(self, why: str, failure: Failure) -> None:
+        self.factory.log.failure("egress: {why} for {client}", failure, why=why, client=self.client)
+
+    def connect(self, grant: Grant, protocol: Protocol) -> Deferred[Any]:
+        return self.factory.connect(self.config, grant, protocol)
+
     def sessionRefusal(self, kind: str, password: bytes | None) -> str | None:
         """Attribute this connection to the session whose credential ``password`` is
         (``egress/sessions.py``); why it is refused when none is and
@@ -252,7 +295,7 @@ class FrontDoor(Protocol):
         if answer:
             self.transport.write(answer)
         self.transport.loseConnection()
-        self.gone = True
+        self._become(Phase.CLOSED)
 
     def buffered(self, data: bytes) -> None:
         """Bytes the client sent after its request, before the tunnel opened."""
@@ -280,12 +323,11 @@ class FrontDoor(Protocol):
     ) -> None:
         """Decide ``host:port``; on success call ``granted`` then splice, else ``refused``."""
         self.cancelHeaderTimer()
-        self.awaiting = True
+        self._become(Phase.DECIDING)
         factory = self.factory
 
         def onGrant(grant: Grant) -> None:
             if self.gone:
-                self.awaiting = False
                 factory.release()
                 return
             # One question, asked of the terminator that will serve the
@@ -318,7 +360,8 @@ class FrontDoor(Protocol):
             if isinstance(verdict, Grant):
                 onGrant(verdict)
                 return
-            self.awaiting = False
+            if not self.gone:
+                self._become(Phase.READING)
             factory.record(
                 "refused",
                 kind=kind,
@@ -423,6 +466,7 @@ class FrontDoor(Protocol):
         # A factory built without a terminator (a bare proxy) fails closed on
         # the hosts its config injects rather than opening them without the credential.
         self.factory.release()
+        self._become(Phase.READING)
         r = Refusal(
             "inject",
             f"{grant.host}:443 has an inject rule ([[inject]] hosts), but this proxy runs without "
@@ -435,11 +479,13 @@ class FrontDoor(Protocol):
     def _terminate(
         self, kind: str, grant: Grant, terminator: ITerminator, granted: Callable[[], None]
     ) -> None:
-        self.awaiting = False
         granted()
         protocol = terminator.terminate(grant.host, grant.addresses)
         self.terminated = protocol
+        if IHalfCloseableProtocol.providedBy(protocol):
+            self.halfClose = protocol
         self.terminatedAs = (kind, grant, self.factory.clock.seconds())
+        self._become(Phase.TERMINATED, protocol.dataReceived)
         protocol.makeConnection(self.transport)
         self._handOn(protocol.dataReceived, self.readConnectionLost)
 
@@ -457,11 +503,9 @@ class FrontDoor(Protocol):
         self, kind: str, grant: Grant, upstream: UpstreamProtocol, granted: Callable[[], None]
     ) -> None:
         if self.gone:
-            self.awaiting = False
             upstream.transport.loseConnection()
             self.factory.release()
             return
-        self.awaiting = False
         granted()
         if grant.shown is not None:
             address: str | None = grant.shown
@@ -475,7 +519,7 @@ class FrontDoor(Protocol):
         tunnel = Tunnel(self.transport, upstream, onClose, self.config.proxy.idle_timeout, started)
         self.tunnel = tunnel
         self.factory.tunnels.add(tunnel)
-        self.dataReceived = tunnel.fromClient  # type: ignore[method-assign]
+        self._become(Phase.SPLICED, tunnel.fromClient)
         self._handOn(tunnel.fromClient, tunnel.clientReadLost)
         if not tunnel.closed:
             self.factory.handOff(tunnel)
@@ -483,7 +527,8 @@ class FrontDoor(Protocol):
     def _dialFailed(
         self, kind: str, grant: Grant, f: Failure, refused: Callable[[Refusal], None]
     ) -> None:
-        self.awaiting = False
+        if not self.gone:
+            self._become(Phase.READING)
         self.factory.release()
         r = refusalOf(f) if f.check(RefusalError) else Refusal("dial", f.getErrorMessage())
         self.factory.record(
@@ -702,8 +747,6 @@ class EgressProxyFactory(Factory):
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""
         if grant.viaParent and config.proxy.parent is not None:
-            from agentsandbox.egress.http import ParentHandshake
-
             phost, pport = parseParent(config.proxy.parent)
             endpoint = HostnameEndpoint(self.reactor, phost, pport, timeout=30)
             handshake = ParentHandshake(grant.host, grant.port, protocol)
