@@ -30,6 +30,11 @@ for a listed name: the address rules are never asked.  ``sandbox.refused_domains
 is read at step 1 too, before the allow list: a refused host is refused
 whatever lists it, and never asked about.
 
+Under ``proxy.unlisted = "observe"`` the same names are returned as ``Observe``:
+the door records each as "would refuse" (the audit's ``observed``) and hands it
+to ``observed``, which, like ``approved``, takes steps 2 and 3 as for a listed
+name, so the address rules still refuse.  Nothing is held.
+
 One gate per config: ``EgressProxyFactory`` builds one for each config its
 ``ConfigHolder`` serves, so the decision caches (measured by
 ``bench/egress.py``) are pure functions of the gate's own allow list.  The
