@@ -15,16 +15,23 @@ import os
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 from typing import Any
 
+import pytest
 from twisted.internet import reactor, task
 from twisted.internet.protocol import ProcessProtocol
 from twisted.trial import unittest
 
+from agentsandbox import doctor, probes
 from agentsandbox.approvals import Answer
 from agentsandbox.desktop import sessionBus, unavailable
 from agentsandbox.notify import ACTIONS, BY, DesktopNotifier
+from tests.conftest import User
 from tests.support.control import FakeRegistry
+
+#: Every test here needs a real session bus and the notification server (python3-gi).
+pytestmark = pytest.mark.desktop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Debian's interpreter: python3-gi is a Debian package, not on PyPI's stack.
@@ -180,3 +187,31 @@ class NotifierOnARealBus(unittest.TestCase):
 
     def test_the_runtime_dirs_bus_is_found_without_the_variable(self) -> None:
         self.assertEqual(sessionBus({"XDG_RUNTIME_DIR": self.dir}), f"unix:path={self.dir}/bus")
+
+
+def test_doctor_says_desktop_notifications_yes_on_a_bus_with_a_server_no_without(user: User, tmp_path: Path) -> None:
+    """``doctor``'s channel check (agentsandbox/desktop.py), asking a real bus with gdbus."""
+    from agentsandbox.config import load
+    from tests.support.sessionbus import SessionBus
+
+    config = load(None, user.env)
+    noBus = doctor.checkChannels(
+        config, {"PATH": os.environ["PATH"], "XDG_RUNTIME_DIR": str(tmp_path)}, probes.systemRunner(), shutil.which
+    )
+    assert noBus[1].detail.startswith("no: no session bus")
+    (tmp_path / "empty-bus").mkdir()
+    empty = SessionBus(str(tmp_path / "empty-bus"))
+    try:
+        checks = doctor.checkChannels(config, empty.environ, probes.systemRunner(empty.environ), shutil.which)
+        assert checks[1].detail.startswith("no: no notification server on the session bus")
+    finally:
+        empty.close()
+    (tmp_path / "bus").mkdir()
+    served = SessionBus(str(tmp_path / "bus"), server=True)
+    try:
+        checks = doctor.checkChannels(config, served.environ, probes.systemRunner(served.environ), shutil.which)
+        assert (checks[1].status, checks[1].detail) == (
+            "ok", "yes: a notification server owns org.freedesktop.Notifications on the session bus"
+        )
+    finally:
+        served.close()

@@ -23,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
@@ -67,7 +68,9 @@ def _hello() -> Resource:
     return root
 
 
-class PersonAnswers(TestCase):
+class World(TestCase):
+    """The proxy, registry and control socket; the tests are the two classes below."""
+
     async def _world(self) -> None:
         self.base = tempfile.mkdtemp(prefix="watch-e2e-")
         self.addCleanup(shutil.rmtree, self.base, True)
@@ -131,6 +134,9 @@ class PersonAnswers(TestCase):
         screen: str = await deferToThread(term.waitFor, lambda s: all(w in s for w in words))
         return screen
 
+
+
+class AnswersInWatch(World):
     @deferredTest
     async def test_watch_in_a_terminal_shows_a_held_curl_at_once_and_a_key_lets_it_through(self) -> None:
         await self._world()
@@ -165,6 +171,10 @@ class PersonAnswers(TestCase):
         body, _, _ = await again
         self.assertIn(b"the person refused it (deny once", body)
 
+
+
+@pytest.mark.desktop
+class AnswersOnTheDesktop(World):
     @deferredTest
     async def test_a_desktop_notification_shows_a_held_curl_and_its_click_lets_it_through(self) -> None:
         await self._world()
@@ -195,7 +205,8 @@ class PersonAnswers(TestCase):
         closed = await deferToThread(bus.until, lambda m: m.get("closed") == second["notify"]["id"])
         self.assertEqual(closed["reason"], 3)
 
-    def _denyOnce(self) -> Any:
+    @staticmethod
+    def _denyOnce() -> Any:
         from agentsandbox.approvals import Answer
 
         return Answer("deny", "once", by="test")
