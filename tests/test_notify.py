@@ -60,11 +60,12 @@ class ServerProcess(ProcessProtocol):
         self.transport.write(line.encode() + b"\n")
 
 
-async def until(predicate: Any, what: str, bound: float = 15.0) -> None:
+async def until(predicate: Any, what: Any, bound: float = 15.0) -> None:
+    """Poll ``predicate``; fail after ``bound`` seconds naming ``what`` (a callable: words made then)."""
     waited = 0.0
     while not predicate():
         if waited > bound:
-            raise AssertionError(f"{what} did not happen in {bound}s")
+            raise AssertionError(f"{what() if callable(what) else what} did not happen in {bound}s")
         await task.deferLater(reactor, 0.02, lambda: None)  # type: ignore[arg-type,unused-ignore]
         waited += 0.02
 
@@ -135,7 +136,10 @@ class NotifierOnARealBus(unittest.TestCase):
         ids = {n["summary"]: n["id"] for n in server.of("notify")}
         server.send(f"invoke {ids['agentsandbox: allow git.example.com:443?']} deny")
         server.send(f"invoke {ids['agentsandbox: allow example.org:443?']} allow-always")
-        await until(lambda: len(self.registry.answers) == 2, "both clicks")
+        await until(
+            lambda: len(self.registry.answers) == 2,
+            lambda: f"both clicks (server: {server.messages}; answers: {self.registry.answers})",
+        )
         self.assertEqual(
             sorted(self.registry.answers),
             sorted([(first.id, Answer("allow", "always", None, BY)), (second.id, Answer("deny", "once", None, BY))]),

@@ -77,9 +77,12 @@ class Server:
             nid = replaces or self.next
             self.next += 1
             self.senders[nid] = sender
+            # The reply first, then the report: a click the test sends on the report
+            # must reach the client after it has learnt its notification's id (a
+            # signal for an id it does not know yet is dropped, as by any client).
+            invocation.return_value(GLib.Variant("(u)", (nid,)))
             say({"notify": {"id": nid, "sender": sender, "app": app, "summary": summary, "body": body,
                             "actions": actions, "hints": {k: str(v) for k, v in hints.items()}, "expire": expire}})  # fmt: skip
-            invocation.return_value(GLib.Variant("(u)", (nid,)))
         elif method == "CloseNotification":
             (nid,) = params.unpack()
             invocation.return_value(None)
