@@ -166,7 +166,7 @@ def _webFetchRules(domains: Iterable[str]) -> list[str]:
     and resolved addresses, as the proxy does), and refuses every host off the
     list.  Address and CIDR entries get no rule (a rule matches names).
     """
-    from agentsandbox.egress.rules import AllowList, EntryError
+    from agentsandbox.allowlist import AllowList, EntryError
 
     try:
         entries = AllowList.parse(list(domains)).entries

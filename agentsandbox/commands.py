@@ -137,11 +137,16 @@ def _checkPath(policy: Policy, kind: str, path: str, cwd: str) -> int:
     return 1
 
 
-def _checkHost(config: Config, target: str, resolve: bool) -> int:
+def _checkHost(config: Config, target: str, resolve: bool, addressesOf: Any = None) -> int:
+    """``check host``: the proxy's own gate (``egress/gate.py``) on ``config``, so the
+    verdict and its words are the proxy's.  ``addressesOf(host, port)`` resolves
+    (default: the stdlib resolver the hook uses, ``names.addressesFromGetaddrinfo``)."""
     # The proxy's own readings: the authority parser of CONNECT (a bare host or
-    # IPv6 literal takes port 443) and the one name decision every front door
-    # makes, so ``check`` cannot allow a spelling the proxy refuses or the reverse.
-    from agentsandbox.egress.rules import decideHost, parseAuthority
+    # IPv6 literal takes port 443), then the gate every front door asks.
+    from agentsandbox.allowlist import parseAuthority
+    from agentsandbox.egress.gate import Gate, Resolve
+    from agentsandbox.egress.grant import Grant, Refusal
+    from agentsandbox.egress.names import ResolveError, addressesFromGetaddrinfo
 
     authority = parseAuthority(target, 443)
     if authority is None:
@@ -150,12 +155,15 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
             "IPv6 as [v6]:PORT)"
         )
         return 1
-    decision = decideHost(config.sandbox.allowList, *authority)
-    entry = decision.entry
+    gate = Gate.ofConfig(config)
+    step = gate.decide(*authority)
+    name = gate.name(*authority)
+    entry = name.entry
     if entry is None:
-        print(f"refused: {decision.reason}")
+        assert isinstance(step, Refusal)
+        print(f"refused: {step.reason}")
         return 1
-    host, port = decision.host, decision.port
+    host, port = name.host, name.port
     print(f"allowed by name: {host}:{port} matches sandbox.domains entry {entry.text!r}")
     # The proxy's own question, asked of the terminator the service would
     # build from this config (never started: nothing fetched or written).
@@ -180,21 +188,35 @@ def _checkHost(config: Config, target: str, resolve: bool) -> int:
         print(f"  {noProxyNote(Policy.fromConfig(config).noProxy())}")
         for fix in fixes:
             print(f"  fix: {fix}")
-    if not resolve:
-        return 0
-    describe = _describeResolved()
-    if describe is None:
-        print("  --resolve needs the egress proxy's resolver, which this build lacks")
+    if isinstance(step, Resolve):
+        if not resolve:
+            return 0
+        try:
+            addresses = (addressesOf or addressesFromGetaddrinfo)(host, port)
+        except ResolveError as e:
+            verdict = gate.unresolved(step, str(e))
+        else:
+            verdict = gate.resolved(step, addresses)
+    else:
+        verdict = step
+        addresses = [name.literal] if name.literal is not None else []
+    if resolve or isinstance(verdict, Refusal):
+        for d in gate.addresses(name, addresses if isinstance(verdict, Grant) or verdict.kind == "policy" else []):
+            print(("  dial    " if d.allowed else "  refuse  ") + f"{d.address}: {d.reason}")
+    return _printVerdict(verdict)
+
+
+def _printVerdict(verdict: Any) -> int:
+    """The gate's last word, as the proxy would answer it: ``refused: REASON`` is its
+    403/502 body, word for word."""
+    from agentsandbox.egress.grant import Refusal
+
+    if isinstance(verdict, Refusal):
+        print(f"refused: {verdict.reason}")
         return 1
-    ok, lines = describe(config, host, port)
-    for line in lines:
-        print(f"  {line}")
-    return 0 if ok else 1
-
-
-def _describeResolved() -> Any:
-    try:
-        from agentsandbox.egress.resolve import describeResolved
-    except ImportError:
-        return None
-    return describeResolved
+    if verdict.viaParent and not verdict.addresses:
+        print(f"allowed: {verdict.host} does not resolve here; the proxy hands it to proxy.parent, which resolves it")
+    else:
+        via = " through proxy.parent" if verdict.viaParent else ""
+        print(f"allowed: {verdict.host}:{verdict.port} is dialled{via} at {', '.join(map(str, verdict.addresses))}")
+    return 0

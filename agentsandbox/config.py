@@ -15,6 +15,7 @@ Stdlib only: the hook loads the config on every file-tool call.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from agentsandbox.egress.rules import (
+from agentsandbox.allowlist import (
     AllowList,
     Entry,
     EntryError,
@@ -327,8 +328,10 @@ class SandboxConfig:
     #: Tools the drop-in removes by default (``tools.removedTools``) that this config re-opens.
     allow_tools: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property
     def allowList(self) -> AllowList:
+        """``domains`` parsed, once per config: the proxy's gate, ``check host`` and the
+        built-in rules read this one parse (a reload builds a new config, so a new one)."""
         return AllowList.parse(self.domains)
 
 
@@ -412,7 +415,7 @@ def githubRules(
     )
 
 
-def builtinRules(domains: tuple[str, ...], rules: tuple[InjectRule, ...] | None = None) -> tuple[InjectRule, ...]:
+def builtinRules(allow: AllowList, rules: tuple[InjectRule, ...] | None = None) -> tuple[InjectRule, ...]:
     """The built-in GitHub rules (``rules``, default ``githubRules()``) narrowed to the hosts the allow list admits on 443.
 
     A rule for a host the proxy refuses anyway would only start ``gh auth
@@ -422,7 +425,6 @@ def builtinRules(domains: tuple[str, ...], rules: tuple[InjectRule, ...] | None 
     injector terminates a built-in host only while its keeper holds a token
     (``egress.inject.Route.active``).
     """
-    allow = AllowList.parse(domains)
     narrowed = []
     for rule in githubRules() if rules is None else rules:
         hosts = tuple(h for h in rule.hosts if allow.byName(h, 443) is not None)
@@ -472,7 +474,7 @@ def load(
     config = narrow(machineConfigValue, user, data)
     if config.inject_builtin:
         # The built-in GitHub rule follows the narrowed allow list, as it follows a file's own.
-        config = replace(config, inject=builtinRules(config.sandbox.domains, config.inject))
+        config = replace(config, inject=builtinRules(config.sandbox.allowList, config.inject))
     _checkLayout(config)
     return config
 
@@ -642,7 +644,7 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
     _checkDomains(root.table("sandbox"), sandbox.domains, proxy.port)
     github = _parseGithub(root)
     named = _parseInject(root, paths)
-    inject = builtinRules(sandbox.domains, github) if named is None else named
+    inject = builtinRules(sandbox.allowList, github) if named is None else named
     broker = _parseBroker(root.table("broker"), paths)
     scope = _parseScope(root.table("scope"))
     audit = _parseAudit(root.table("audit"), paths)

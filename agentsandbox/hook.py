@@ -513,12 +513,20 @@ def _boundedGetaddrinfo(*args: Any) -> Any:
     raise OSError(f"no answer within {_RESOLVE_SECONDS:g} s")
 
 
+def _boundedAddresses(host: str, port: int) -> Any:
+    """Every address of ``host`` as the proxy resolves it, asked of ``_boundedGetaddrinfo``."""
+    from agentsandbox.egress.names import addressesFromGetaddrinfo
+
+    return addressesFromGetaddrinfo(host, port, _boundedGetaddrinfo)
+
+
 def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | None:
     """Why ``url`` may not be reached, decided as the proxy decides a connection; None when it may."""
     from urllib.parse import urlsplit
 
-    from agentsandbox.egress.names import decideResolved
-    from agentsandbox.egress.rules import AllowList, EntryError
+    from agentsandbox.allowlist import AllowList, EntryError
+    from agentsandbox.egress.gate import Gate
+    from agentsandbox.egress.grant import Refusal as GateRefusal
 
     try:
         parts = urlsplit(url)
@@ -538,12 +546,12 @@ def _urlRefusal(policy: Policy, source: str, url: str, scheme: str) -> str | Non
         allow = AllowList.parse(policy.domains)
     except EntryError as e:
         return f"URL {_quoted(url)} cannot be decided: {e}."
-    ok, lines = decideResolved(allow, host, port, _boundedGetaddrinfo)
-    if ok:
+    # The proxy's gate, with no parent (Claude Code fetches it itself) and no
+    # tunnel to count: the same verdict in the same words as a CONNECT.
+    verdict = Gate(allow, maxTunnels=0).decideResolving(host, port, _boundedAddresses)
+    if not isinstance(verdict, GateRefusal):
         return None
-    return f"URL {_quoted(url)} is refused{_inSource(source)}: " + "; ".join(
-        line.strip() for line in lines if not line.lstrip().startswith(("allowed:", "dial"))
-    )
+    return f"URL {_quoted(url)} is refused{_inSource(source)}: {verdict.reason}"
 
 
 #: The schemes each network tool's URL may have; ``http:`` is also decided as the ``https:``

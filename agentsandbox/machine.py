@@ -135,7 +135,7 @@ def _union(first: tuple[str, ...], more: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _domainGrant(machineDomains: tuple[str, ...]) -> Callable[[str], bool]:
-    from agentsandbox.egress.rules import Entry
+    from agentsandbox.allowlist import Entry
 
     entries = [Entry.parse(text) for text in machineDomains]
     return lambda text: any(Entry.parse(text).within(e) for e in entries)

@@ -269,7 +269,7 @@ def literalFixes(text: str) -> list[str] | None:
     """For an allow-list entry that is an address (an IP, a CIDR block, a loopback
     name such as ``localhost:8080``): what clients that the narrowed ``NO_PROXY``
     does not serve need to reach it.  None for a host name entry."""
-    from agentsandbox.egress.rules import Entry, EntryError, isLoopbackName
+    from agentsandbox.allowlist import Entry, EntryError, isLoopbackName
 
     try:
         entry = Entry.parse(text)
@@ -628,13 +628,7 @@ class Policy:
         drops ``localhost``), so servers a command runs inside its sandbox stay
         reachable by the names the allow list does not claim.
         """
-        from agentsandbox.egress.rules import (
-            Entry,
-            EntryError,
-            isLoopbackName,
-            parseIP,
-            unwrapMapped,
-        )
+        from agentsandbox.allowlist import Entry, EntryError, isLoopbackName, parseIP, unwrapMapped
 
         claimed: set[str] = set()
         for text in self.domains:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from agentsandbox.egress.rules import IPAddress
+from agentsandbox.allowlist import IPAddress
 
 #: How long the broker gets to answer before it counts as not answering.
 BROKER_TIMEOUT = 3.0

@@ -76,9 +76,9 @@ from twisted.internet.protocol import Protocol  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from zope.interface import implementer  # noqa: E402
 
+from agentsandbox.allowlist import IPAddress  # noqa: E402
 from agentsandbox.egress.http import errorReply  # noqa: E402
 from agentsandbox.egress.interfaces import IPeerChecker, ITerminator  # noqa: E402
-from agentsandbox.egress.rules import IPAddress  # noqa: E402
 from tests.support.egress_fixtures import Collector  # noqa: E402
 
 
@@ -570,7 +570,6 @@ class ForwardTests(TestCase):
         self.assertIn(b"403 Forbidden", out)
         self.assertIn(b"example.net:80 is not on the sandbox's allow list", out)
         h.resolver.table["web.example.org"] = [__import__("ipaddress").ip_address("198.51.100.9")]
-        h.factory._hostDecisions.clear()
         out = await exchange(h.port, b"GET http://web.example.org:8080/ HTTP/1.1\r\nHost: web.example.org\r\n\r\n")
         self.assertIn(b"502 Bad Gateway", out)
 

@@ -32,10 +32,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 from twisted.web.static import Data
 
-from agentsandbox.commands import _checkHost
-from agentsandbox.egress.dial import tcpDialer
-from agentsandbox.egress.resolve import SystemResolver, addressesFromGetaddrinfo, hostsFileAddresses
-from agentsandbox.egress.rules import (
+from agentsandbox.allowlist import (
     AllowList,
     Entry,
     EntryError,
@@ -43,6 +40,9 @@ from agentsandbox.egress.rules import (
     decideHost,
     parseAuthority,
 )
+from agentsandbox.commands import _checkHost
+from agentsandbox.egress.dial import tcpDialer
+from agentsandbox.egress.resolve import SystemResolver, addressesFromGetaddrinfo, hostsFileAddresses
 from agentsandbox.egress.testing import FixedResolver
 from tests.support.dns_namespace import resolveInNamespace
 from tests.support.egress_fixtures import (

@@ -1,8 +1,10 @@
 """Allow-list and address decisions: reference §8's tables and an SSRF table.
 
-The SSRF table goes through the proxy's real decision path
-(``EgressProxyFactory.decide``) with the resolver injected, so each name is
-resolved once and each answer classified exactly as a live connection would be.
+The SSRF table drives the proxy's gate (``egress/gate.py``) directly, with a
+table for a resolver: each name is resolved once and each answer classified
+exactly as a live connection's would be, without a socket.
+``tests/test_egress_gate.py`` shows the proxy and ``check host`` give every
+row the same verdict in the same words.
 """
 
 from __future__ import annotations
@@ -11,45 +13,25 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 import pytest
-from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.python.failure import Failure
-from zope.interface import implementer
 
-from agentsandbox.egress.grant import Grant, RefusalError
-from agentsandbox.egress.interfaces import IDialer
-from agentsandbox.egress.proxy import EgressProxyFactory
-from agentsandbox.egress.resolve import addressesFromGetaddrinfo, decideHost, describeResolved
-from agentsandbox.egress.rules import (
-    AllowList,
-    IPAddress,
-    classifyAddress,
-    decideAddress,
-    embeddedIPv4,
-)
-from agentsandbox.egress.testing import AllowAllPeers, FixedResolver
+from agentsandbox.allowlist import AllowList, decideHost
+from agentsandbox.egress.gate import Gate
+from agentsandbox.egress.grant import Grant
+from agentsandbox.egress.resolve import addressesFromGetaddrinfo
+from agentsandbox.egress.rules import classifyAddress, decideAddress, embeddedIPv4
+from agentsandbox.egress.testing import FixedResolver
 from tests.support.egress_fixtures import domainsToml, makeConfig
-
-
-@implementer(IDialer)
-class NoDialer:
-    def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
-        raise AssertionError("deciding never dials")
 
 
 def decide(
     domains: Sequence[str], host: str, port: int, table: Mapping[str, Sequence[str]] | None = None
 ) -> tuple[list[str] | None, str]:
-    """(granted addresses or None, refusal text) via the proxy's own decision."""
+    """(granted addresses or None, refusal text) from the proxy's own gate."""
     config = makeConfig(domainsToml(domains))
-    factory = EgressProxyFactory(config, None, resolver=FixedResolver(table or {}), dialer=NoDialer(), peers=AllowAllPeers())
-    results: list[Grant | Failure] = []
-    factory.decide(config, host, port).addCallbacks(results.append, results.append)
-    (r,) = results
-    if isinstance(r, Grant):
-        return [str(a) for a in r.addresses], ""
-    r.trap(RefusalError)
-    assert isinstance(r.value, RefusalError)
-    return None, r.value.refusal.reason
+    verdict = Gate.ofConfig(config).decideResolving(host, port, FixedResolver(table or {}).addresses)
+    if isinstance(verdict, Grant):
+        return [str(a) for a in verdict.addresses], ""
+    return None, verdict.reason
 
 
 # ---------------------------------------------------------------- reference §3.5 / §8 tables
@@ -253,14 +235,16 @@ def test_decideHostRefusalNamesTheKey() -> None:
     assert not d.allowed and "example.net:8080" in d.reason and "'example.net:8080'" in d.reason and "sandbox.domains" in d.reason
 
 
-def test_describeResolved() -> None:
+def test_checkHostResolvingWordsEachAddress(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentsandbox.commands import _checkHost
+
     config = makeConfig(domainsToml(["localhost:6443", "127.0.0.1:6443", "2130706433"]))
-    ok, lines = describeResolved(config, "localhost", 6443)
-    assert ok and lines[0].startswith("allowed:")
-    assert any("dial" in ln and "127.0.0.1" in ln for ln in lines)
-    ok, lines = describeResolved(config, "2130706433", 443)
-    assert not ok and any("loopback" in ln for ln in lines)
-    ok, lines = describeResolved(config, "example.net", 443)
-    assert not ok and "sandbox.domains" in lines[0]
-    ok, lines = describeResolved(config, "127.0.0.1", 6443)
-    assert ok
+    table = FixedResolver({"localhost": ["127.0.0.1"], "2130706433": ["127.0.0.1"]})
+    assert _checkHost(config, "localhost:6443", True, table.addresses) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("allowed by name:") and "dial    127.0.0.1" in out
+    assert _checkHost(config, "2130706433", True, table.addresses) == 1
+    assert "loopback" in capsys.readouterr().out
+    assert _checkHost(config, "example.net", True, table.addresses) == 1
+    assert "sandbox.domains" in capsys.readouterr().out
+    assert _checkHost(config, "127.0.0.1:6443", True, table.addresses) == 0

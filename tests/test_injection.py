@@ -22,12 +22,12 @@ from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
+from agentsandbox.allowlist import IPAddress
 from agentsandbox.commands import _checkHost
 from agentsandbox.config import Config, loads
 from agentsandbox.egress.inject import Injector
 from agentsandbox.egress.injection import InjectionService, injectionFor
 from agentsandbox.egress.interfaces import ITerminator
-from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
 from agentsandbox.paths import Paths
 from agentsandbox.reload import ConfigHolder

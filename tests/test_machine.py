@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import claude, policyhelper
+from agentsandbox.allowlist import Entry
 from agentsandbox.config import BUILTIN, ConfigError, load
-from agentsandbox.egress.rules import Entry
 from agentsandbox.policy import Policy, otherHomes
 from tests.conftest import REPO, MachineConfig, User
 

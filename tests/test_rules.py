@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from agentsandbox.egress.rules import AllowList, Entry, EntryError, canonicalHost, isLoopbackName
+from agentsandbox.allowlist import AllowList, Entry, EntryError, canonicalHost, isLoopbackName
 
 LIST = AllowList.parse(
     [

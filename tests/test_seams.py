@@ -29,6 +29,8 @@ from agentsandbox.egress.dial import TCPDialer
 from agentsandbox.egress.inject import IUpstreamPool
 from agentsandbox.egress.interfaces import (
     IDialer,
+    IDoorHandler,
+    IFrontDoor,
     IPeerChecker,
     IResolver,
     ITerminator,
@@ -54,14 +56,12 @@ reactor: Any = _reactor
 def implementations() -> Iterator[tuple[type[Interface], object]]:
     from tests.test_egress_peer import RecordingPeers
     from tests.test_egress_proxy import FakeTerminator
-    from tests.test_egress_rules import NoDialer
 
     yield IResolver, SystemResolver(reactor)
     yield IResolver, FixedResolver({})
     yield IDialer, TCPDialer(reactor)
     yield IDialer, MappedDialer(reactor)
     yield IDialer, RefusingDialer()
-    yield IDialer, NoDialer()
     yield IDialer, MemoryDialer()
     yield IUpstreamPool, MemoryUpstreamPool()
     yield IPeerChecker, SameUserPeers()
@@ -71,6 +71,25 @@ def implementations() -> Iterator[tuple[type[Interface], object]]:
     yield ITokenHolder, TokenKeeper(EnvSource("AGENTSANDBOX_TEST_TOKEN"), reactor, Clock())
     yield ITokenHolder, FixedToken("t")
     yield ITerminator, FakeTerminator()
+    yield from doorsAndHandlers()
+
+
+def doorsAndHandlers() -> Iterator[tuple[type[Interface], object]]:
+    """The door <-> handler contract: the proxy's door, the dispatcher's refusing
+    door, and both handlers, each on a real door."""
+    from agentsandbox.egress.dispatch import _RefusingDoor
+    from agentsandbox.egress.http import HTTPHandler
+    from agentsandbox.egress.proxy import EgressProxyFactory, FrontDoor
+    from agentsandbox.egress.socks import SocksHandler
+    from tests.support.egress_fixtures import makeConfig
+
+    door = FrontDoor(EgressProxyFactory(makeConfig(), reactor, peers=AllowAllPeers()))
+    refusing = _RefusingDoor(None)  # type: ignore[arg-type]  # (holds its refusal only to write to it)
+    yield IFrontDoor, door
+    yield IFrontDoor, refusing
+    yield IDoorHandler, HTTPHandler(door)
+    yield IDoorHandler, SocksHandler(door)
+    yield IDoorHandler, SocksHandler(refusing)
 
 
 def test_every_implementation_and_double_provides_its_interface() -> None:
@@ -78,7 +97,7 @@ def test_every_implementation_and_double_provides_its_interface() -> None:
     for interface, implementation in implementations():
         assert verifyObject(interface, implementation), (interface, implementation)
         checked += 1
-    assert checked == 15
+    assert checked == 19
 
 
 def test_the_injector_is_a_terminator() -> None:

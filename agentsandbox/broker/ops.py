@@ -25,6 +25,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
 from twisted.python.failure import Failure
 
+from agentsandbox.allowlist import isLoopbackName
 from agentsandbox.broker import scope as scopes
 from agentsandbox.broker.client import isAgentsandbox
 from agentsandbox.broker.procfs import Origin
@@ -37,7 +38,6 @@ from agentsandbox.broker.spool import (
     publicKeyOf,
 )
 from agentsandbox.config import Config, RunCommand
-from agentsandbox.egress.rules import isLoopbackName
 from agentsandbox.policy import Policy
 
 T = TypeVar("T")

@@ -26,9 +26,9 @@ from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress, unwrapMapped
 from agentsandbox.egress.grant import Refusal, RefusalError
 from agentsandbox.egress.interfaces import IDialer
-from agentsandbox.egress.rules import IPAddress, unwrapMapped
 from agentsandbox.egress.splice import UpstreamProtocol
 
 P = TypeVar("P", bound=Protocol)

@@ -52,15 +52,19 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReadDescriptor, IReadWriteDescriptor
+from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.config import DEFAULT_PROXY_PORT
+from agentsandbox.egress.grant import Grant, Refusal, RefusalError
+from agentsandbox.egress.interfaces import IFrontDoor
 from agentsandbox.egress.peer import CLOSED, CLOSED_REFUSAL
 from agentsandbox.paths import DISPATCH_SOCKET, SYSTEM_CONFIG
 
@@ -226,6 +230,13 @@ def rootRefusal(source: str) -> str:
     )
 
 
+if TYPE_CHECKING:
+    from agentsandbox.egress.gate import Verdict
+
+#: The one answer a uid without a registered service gets.
+_NO_SERVICE = Refusal("limit", "no service registered")
+
+
 class _RawTransport:
     """Just enough of a transport for ``SocksHandler``: writes to the raw socket."""
 
@@ -241,12 +252,30 @@ class _RawTransport:
     def abortConnection(self) -> None:
         self.refusal.close()
 
+    def pauseProducing(self) -> None:
+        pass  # the refusal reads only to drop
 
+    def resumeProducing(self) -> None:
+        pass
+
+
+@implementer(IFrontDoor)
 class _RefusingDoor:
-    """What ``SocksHandler`` asks of a front door, answering every request "general failure"."""
+    """A front door that answers every request "general failure" (``SocksHandler``
+    walks the client there); the host is never logged or kept: the dispatcher
+    serves no one's traffic."""
+
+    client = "?"
+    gone = False
 
     def __init__(self, refusal: _Refusal) -> None:
         self.transport = _RawTransport(refusal)
+
+    def armHeaderTimer(self) -> None:
+        pass  # the refusal has its own deadline (REFUSAL_TIMEOUT)
+
+    def cancelHeaderTimer(self) -> None:
+        pass
 
     def parseError(self, kind: str, why: str, answer: bytes) -> None:
         if answer:
@@ -259,11 +288,22 @@ class _RefusingDoor:
     def sessionRefusal(self, kind: str, password: bytes | None) -> str | None:
         return None  # every request is refused below anyway
 
-    def openTunnel(self, kind: str, host: str, port: int, granted: Callable[[], None], refused: Callable[[Any], None]) -> None:
-        from agentsandbox.egress.grant import Refusal
+    def openTunnel(
+        self, kind: str, host: str, port: int, granted: Callable[[], None], refused: Callable[[Refusal], None]
+    ) -> None:
+        refused(_NO_SERVICE)
 
-        # The host is never logged or kept: the dispatcher serves no one's traffic.
-        refused(Refusal("limit", "no service registered"))
+    def decide(self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+        then(_NO_SERVICE)
+
+    def connect(self, grant: Grant, protocol: Protocol) -> Deferred[Any]:
+        return fail(RefusalError(_NO_SERVICE))
+
+    def record(self, event: str, **fields: Any) -> None:
+        pass
+
+    def logFailure(self, why: str, failure: Failure) -> None:
+        log.failure("dispatch: refusal {why}", failure, why=why)
 
 
 @implementer(IReadDescriptor)
@@ -331,7 +371,7 @@ class _Refusal:
         uid = "?" if self.uid is None else str(self.uid)
         if first == VERSION:
             log.info("uid {uid} has no registered service: SOCKS5 connection refused", uid=uid)
-            self.socks = SocksHandler(_RefusingDoor(self))  # type: ignore[arg-type]
+            self.socks = SocksHandler(_RefusingDoor(self))
             return True
         log.info("uid {uid} has no registered service: HTTP connection answered 503", uid=uid)
         if self.uid is None:

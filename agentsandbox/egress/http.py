@@ -43,6 +43,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import parseAuthority as rulesAuthority
 from agentsandbox.egress.grant import Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http11 import (
     CHUNKED,
@@ -58,14 +59,14 @@ from agentsandbox.egress.http11 import (
     oneHost,
     takeResponseHead,
 )
+from agentsandbox.egress.interfaces import IDoorHandler, IFrontDoor
 from agentsandbox.egress.nodelay import noDelay
-from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 from agentsandbox.egress.sessions import passwordOf
 from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
+    from agentsandbox.egress.gate import Verdict
     from agentsandbox.egress.grant import Grant
-    from agentsandbox.egress.proxy import FrontDoor
 
 #: A pipelining client may not run further ahead than this while we answer.
 MAX_READ_AHEAD = 256 * 1024
@@ -98,6 +99,7 @@ def parseAuthority(target: str) -> tuple[str, int] | None:
     return rulesAuthority(target)
 
 
+@implementer(IDoorHandler)
 class HTTPHandler:
     """Reads the client's requests (an ``http11.RequestFramer``) and serves
     CONNECT and absolute-form forwarding.
@@ -108,7 +110,7 @@ class HTTPHandler:
 
     kind = "http"
 
-    def __init__(self, door: FrontDoor) -> None:
+    def __init__(self, door: IFrontDoor) -> None:
         self.door = door
         self.requests = RequestFramer()
         self.exchange: ForwardExchange | None = None
@@ -346,10 +348,7 @@ class ForwardExchange:
         host, port = self.host, self.port
         assert host is not None and port is not None  # (start read them)
         self.door.transport.pauseProducing()
-        factory = self.door.factory
-        d = factory.decide(self.door.config, host, port)
-        d.addCallback(self._granted)
-        d.addErrback(self._refused)
+        self.door.decide(host, port, False, self._decided)
 
     def sendUp(self, data: bytes) -> None:
         """Request body bytes the framer passed: to the origin, or queued until it is connected."""
@@ -361,22 +360,26 @@ class ForwardExchange:
         else:
             writeNow(upstream.transport, data)
 
-    def _granted(self, grant: Grant) -> Deferred[Any]:
-        self.grant = grant
-        factory = self.door.factory
-        return factory.connect(self.door.config, grant, ForwardUpstream(self))
+    def _decided(self, verdict: Verdict) -> None:
+        if isinstance(verdict, Refusal):
+            self._refused(verdict)
+            return
+        self.grant = verdict
+        self.door.connect(verdict, ForwardUpstream(self)).addErrback(self._dialFailed)
 
-    def _refused(self, f: Failure) -> None:
+    def _dialFailed(self, f: Failure) -> None:
+        # The dial's errback carries a RefusalError (could not connect, the parent said no).
+        if f.check(RefusalError):
+            self._refused(refusalOf(f))
+            return
+        self.door.logFailure("forward setup failed", f)
+        self._refused(Refusal("dial", "the proxy failed to set up the request"))
+
+    def _refused(self, r: Refusal) -> None:
         if self.done:
             return
-        factory = self.door.factory
-        if f.check(RefusalError):
-            r: Refusal = refusalOf(f)
-        else:
-            factory.log.failure("egress: forward setup failed", f)
-            r = Refusal("dial", "the proxy failed to set up the request")
         event = "refused" if r.kind == "policy" else "failed"
-        factory.record(
+        self.door.record(
             event,
             kind="http",
             client=self.door.client,
@@ -514,7 +517,7 @@ class ForwardExchange:
             pass
         client.resumeProducing()
         grant = self.grant
-        self.door.factory.record(
+        self.door.record(
             "forward",
             kind="http",
             client=self.door.client,

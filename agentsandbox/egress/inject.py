@@ -81,6 +81,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Attribute, Interface, implementer
 
+from agentsandbox.allowlist import IPAddress
 from agentsandbox.config import InjectRule
 from agentsandbox.egress.dial import dialInTurn
 from agentsandbox.egress.github import MAX_GRAPHQL_BODY
@@ -103,7 +104,6 @@ from agentsandbox.egress.http11 import (
 from agentsandbox.egress.interfaces import IDialer, ITerminator, ITokenHolder
 from agentsandbox.egress.leakscan import LeakScanner, tokenForms
 from agentsandbox.egress.reqrules import METHOD_OVERRIDES, RequestPolicy
-from agentsandbox.egress.rules import IPAddress
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
 

@@ -15,17 +15,32 @@ so no config key can point the proxy somewhere else; ``agentsandbox.egress.testi
 ships the doubles (a table resolver, a dialer that maps addresses to loopback
 ports, a peer check that allows everyone, a fixed token) that this package's
 tests use and users' tests may too.
+
+Inside the proxy, the front door (``proxy.FrontDoor``) and the protocol
+handlers that read a connection's request (``http.HTTPHandler``,
+``socks.SocksHandler``) meet at two declared contracts: ``IFrontDoor``, all a
+handler may ask of its door, and ``IDoorHandler``, all the door asks of a
+handler.  The handlers import no proxy class, and the dispatcher's refusing
+door (``dispatch._RefusingDoor``) is an ``IFrontDoor`` too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
+from twisted.python.failure import Failure
 from zope.interface import Attribute, Interface
 
-from agentsandbox.egress.rules import IPAddress
+from agentsandbox.allowlist import IPAddress
+
+if TYPE_CHECKING:
+    from twisted.internet.protocol import Protocol
+
+    from agentsandbox.egress.gate import Verdict
+    from agentsandbox.egress.grant import Grant, Refusal
 
 
 class IResolver(Interface):
@@ -99,3 +114,70 @@ class ICountedTunnel(Interface):
 
     received = Attribute("Bytes received from the client so far, as they arrived (TLS records included).")
     sent = Attribute("Bytes written to the client so far, likewise.")
+
+
+class IFrontDoor(Interface):
+    """What a protocol handler may ask of the connection it reads (``proxy.FrontDoor``)."""
+
+    transport = Attribute(
+        "The client's TCP transport (producer and half-close methods): handlers write "
+        "their answers to it and pause it while an exchange is in flight."
+    )
+    client = Attribute("The client's address as the audit log writes it (HOST:PORT).")
+    gone = Attribute("Whether the door is closed: the client went away, or the door refused it.")
+
+    def armHeaderTimer() -> None:
+        """Start waiting (``proxy.header_timeout``) for the next request head."""
+
+    def cancelHeaderTimer() -> None:
+        """A complete request head arrived: stop waiting for it."""
+
+    def parseError(kind: str, why: str, answer: bytes) -> None:
+        """A request the proxy cannot serve: audit it (``kind``: http | socks), send
+        ``answer``, close."""
+
+    def buffered(data: bytes) -> None:
+        """Bytes the client sent after its tunnel request, before the tunnel opened."""
+
+    def sessionRefusal(kind: str, password: bytes | None) -> str | None:
+        """Attribute the connection to the session whose credential ``password`` is;
+        why it is refused (already audited), or None."""
+
+    def openTunnel(
+        kind: str,
+        host: str,
+        port: int,
+        granted: Callable[[], None],
+        refused: Callable[[Refusal], None],
+    ) -> None:
+        """Decide ``host:port`` and open a tunnel: ``granted`` is called just before
+        the client's bytes start flowing, ``refused`` (already audited) otherwise."""
+
+    def decide(host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+        """Ask the connection's gate about ``host:port``; ``then`` gets the verdict,
+        at once or once the name has resolved.  A forwarded request reserves no slot."""
+
+    def connect(grant: Grant, protocol: Protocol) -> Deferred[Any]:
+        """Connect ``protocol`` upstream as ``grant`` says (the parent proxy, or each
+        checked address in turn); fails with ``grant.RefusalError``."""
+
+    def record(event: str, **fields: Any) -> None:
+        """One audit record, attributed to the connection's session."""
+
+    def logFailure(why: str, failure: Failure) -> None:
+        """A bug in serving this connection: logged with ``why``, never raised."""
+
+
+class IDoorHandler(Interface):
+    """What the front door asks of the handler that reads a connection's request."""
+
+    kind = Attribute("The protocol read, as audit records name it: http | socks.")
+
+    def dataReceived(data: bytes) -> None:
+        """The client's bytes, until the door splices or terminates the connection."""
+
+    def readConnectionLost() -> None:
+        """The client half-closed while the handler was still reading."""
+
+    def connectionLost(reason: Failure) -> None:
+        """The client's connection is gone."""

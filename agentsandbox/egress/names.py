@@ -1,27 +1,20 @@
-"""Names to addresses, synchronously, and the whole decision on one host (stdlib only).
+"""Names to addresses, synchronously (stdlib only).
 
 The proxy asks ``addressesFromGetaddrinfo`` in the reactor's thread pool
 (``resolve.SystemResolver``); ``agentsandbox check host --resolve`` and the
 PreToolUse hook (WebFetch's URLs, fetched by Claude Code's own process, not
-through the proxy) ask it directly and decide every answer as the proxy does.
-No Twisted here: the hook imports this module.
+through the proxy) ask it directly and hand the answers to the same gate
+(``gate.Gate.decideResolving``).  No Twisted here: the hook imports this module.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    HostDecision,
-    IPAddress,
-    decideAddress,
-    decideHost,
-)
+from agentsandbox.allowlist import IPAddress
 
 
 class ResolveError(Exception):
@@ -114,49 +107,3 @@ def hostsFileAddresses(host: str, hostsFile: str = HOSTS_FILE) -> list[IPAddress
             if ip is not None and ip not in found:
                 found.append(ip)
     return found
-
-
-def decideAddresses(
-    allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-) -> list[AddressDecision]:
-    return [decideAddress(allow, name.host, name.port, ip, name.entry) for ip in addresses]
-
-
-def decideResolved(
-    allow: AllowList, host: str, port: int, getaddrinfo: GetAddrInfo = socket.getaddrinfo
-) -> tuple[bool, list[str]]:
-    """The full decision for ``host:port`` as the proxy would take it, resolving synchronously.
-
-    Returns whether the proxy would dial at least one address, and one line per
-    step: the name decision, then one line per resolved address saying whether
-    it would be dialled and why.
-    """
-    name = decideHost(allow, host, port)
-    lines = [("allowed: " if name.allowed else "refused: ") + name.reason]
-    if not name.allowed:
-        return False, lines
-    literal = name.literal
-    if literal is not None:
-        addresses: list[IPAddress] = [literal]
-    else:
-        try:
-            addresses = addressesFromGetaddrinfo(name.host, port, getaddrinfo)
-        except ResolveError as e:
-            lines.append(f"refused: {e}")
-            return False, lines
-    ok = False
-    for d in decideAddresses(allow, name, addresses):
-        ok = ok or d.allowed
-        lines.append(("  dial    " if d.allowed else "  refuse  ") + f"{d.address}: {d.reason}")
-    if not ok:
-        lines.append(f"refused: no address of {name.host} may be dialled")
-    return ok, lines
-
-
-def describeResolved(config: object, host: str, port: int) -> tuple[bool, list[str]]:
-    """``decideResolved`` on ``config``'s allow list: ``agentsandbox check host --resolve``.
-
-    ``config`` is an ``agentsandbox.config.Config``.
-    """
-    allow: AllowList = config.sandbox.allowList  # type: ignore[attr-defined]
-    return decideResolved(allow, host, port)

@@ -40,8 +40,8 @@ from typing import Final
 
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress, unwrapMapped
 from agentsandbox.egress.interfaces import IPeerChecker
-from agentsandbox.egress.rules import IPAddress, unwrapMapped
 from agentsandbox.probes import readTable, socketRows
 
 

@@ -5,32 +5,33 @@ Every accepted connection is first checked to come from our own Unix user
 anything else HTTP (``http.py``), whose grammar refuses at once a first byte
 no request can start with (a TLS ClientHello, a SOCKS4 request: 400, a
 ``parse`` record, closed; not left to the header timeout).  Both ask
-``FrontDoor.openTunnel`` for a tunnel, which decides in this order:
+``FrontDoor.openTunnel`` for a tunnel.  The decision is the gate's
+(``gate.py``, sans IO: the name, a tunnel slot, the addresses, the parent
+fallback); the door only resolves a name when the gate asks it to
+(``gate.Resolve``), through the ``IResolver``.  A granted tunnel to a host the
+``ITerminator`` says it ``injects`` (an inject rule, port 443) goes to it
+(never dialled here), asked when the grant is made and handed over at once, so
+the answer and the routes that serve it are the same; everything else is
+dialled at the checked addresses in order, the next one tried when one fails,
+directly or through ``proxy.parent``.  The door's ``Phase`` says which of
+these it is in.
 
-1. the name against ``sandbox.domains`` (``AllowList.byName``), no DNS;
-2. the cap on concurrent tunnels (``proxy.max_tunnels``);
-3. the name resolved once (``IResolver``), every address classified
-   (``rules.decideAddress``): refused ranges pass only through CIDR/IP entries;
-4. hosts the ``ITerminator`` says it ``injects`` (an inject rule, port 443)
-   go to it (never dialled here), asked when the grant is made and handed
-   over at once, so the answer and the routes that serve it are the same;
-   everything else is dialled at the checked addresses in order, the next one
-   tried when one fails, directly or through ``proxy.parent``.
-
-Each decision is one audit record.  The config is read from a ``ConfigHolder``
-when a connection arrives, so a reload changes what new connections get and
-leaves open tunnels alone.
+Each decision is one audit record.  The config and its gate are read from the
+factory when a connection arrives (the factory swaps its gate when its
+``ConfigHolder`` does), so a reload changes what new connections get and
+leaves open tunnels alone, slots included.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     serverFromString,
@@ -46,43 +47,31 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress, parseIP, unwrapMapped
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
+from agentsandbox.egress.gate import Gate, Resolve, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
+from agentsandbox.egress.http import HTTPHandler, ParentHandshake
 from agentsandbox.egress.interfaces import (
     ICountedTunnel,
     IDialer,
+    IDoorHandler,
+    IFrontDoor,
     IPeerChecker,
     IResolver,
     ITerminator,
 )
 from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.peer import SameUserPeers
-from agentsandbox.egress.resolve import (
-    HostDecision,
-    ResolveError,
-    SystemResolver,
-    decideAddresses,
-    decideHost,
-)
-from agentsandbox.egress.rules import (
-    AddressDecision,
-    AllowList,
-    IPAddress,
-    classifyAddress,
-    parseIP,
-    suggestEntry,
-    unwrapMapped,
-)
+from agentsandbox.egress.resolve import ResolveError, SystemResolver
 from agentsandbox.egress.sessions import SessionRegistry
+from agentsandbox.egress.socks import SocksHandler
 from agentsandbox.egress.splice import Tunnel, UpstreamProtocol, zeroCopy, zeroCopyAvailable
 from agentsandbox.reload import ConfigHolder, asHolder
 
 SOCKS_VERSION = 0x05
-
-#: Most remembered host and address decisions (cleared when full or on reload).
-DECISION_CACHE = 4096
 
 #: Bytes a tunnel moves on Twisted's copy loop before splice(2) takes it over.
 ZERO_COPY_AFTER = 256 * 1024
@@ -91,19 +80,27 @@ ZERO_COPY_AFTER = 256 * 1024
 #: Whether splice(2) can take tunnels over here (Linux, Python 3.10+).
 _ZERO_COPY = zeroCopyAvailable()
 
-_HANDLERS: dict[bool, Any] = {}
+#: The handler for a connection, by whether its first byte is SOCKS5's version.
+#: The handlers know the door only as an ``IFrontDoor``, so nothing imports back.
+HANDLERS: dict[bool, Callable[[IFrontDoor], IDoorHandler]] = {True: SocksHandler, False: HTTPHandler}
 
 
-def _handlerClass(socks: bool) -> Any:
-    """The handler class for a connection's first byte (imported once: they import this module)."""
-    found = _HANDLERS.get(socks)
-    if found is None:
-        if socks:
-            from agentsandbox.egress.socks import SocksHandler as found
-        else:
-            from agentsandbox.egress.http import HTTPHandler as found
-        _HANDLERS[socks] = found
-    return found
+class Phase(enum.Enum):
+    """Where a front door is: each phase says who reads the client's bytes.
+
+    ``READING`` (a handler parses the request) → ``DECIDING`` (the gate, the
+    resolver, the dial: the client's bytes are held) → ``SPLICED`` (a
+    ``Tunnel`` copies them upstream) or ``TERMINATED`` (the ``ITerminator``'s
+    protocol reads them) → ``CLOSED``.  A refused decision goes back to
+    ``READING`` (the handler answers and closes); any phase may end in
+    ``CLOSED``.  ``FrontDoor._become`` is the one place it changes.
+    """
+
+    READING = "reading"
+    DECIDING = "deciding"
+    SPLICED = "spliced"
+    TERMINATED = "terminated"
+    CLOSED = "closed"
 
 
 def parseParent(url: str) -> tuple[str, int]:
@@ -113,9 +110,15 @@ def parseParent(url: str) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-@implementer(IHalfCloseableProtocol)
+@implementer(IHalfCloseableProtocol, IFrontDoor)
 class FrontDoor(Protocol):
-    """One client connection: peer check, protocol choice, then a handler or a tunnel."""
+    """One client connection: peer check, protocol choice, then a handler or a tunnel.
+
+    Its ``phase`` (``Phase``) says who reads the client's bytes.  Once spliced
+    or terminated, ``dataReceived`` is the reader's own bound method, set on
+    the instance by ``_become``: the hot path is one attribute read and one
+    call, with no phase test in between.
+    """
 
     factory: EgressProxyFactory
     #: A TCP transport (ITCPTransport with producer and half-close methods).
@@ -123,17 +126,25 @@ class FrontDoor(Protocol):
 
     def __init__(self, factory: EgressProxyFactory) -> None:
         self.factory = factory
+        #: ``IFrontDoor.record``: the factory's own, bound (no second packing of the fields).
+        self.record: Callable[..., None] = factory.record
         self.config: Config = factory.holder.current
-        self.handler: Any = None
-        self.client = "?"
-        self.pending: list[bytes] = []
+        #: The gate of ``config``: the one this connection's decisions ask.
+        self.gate: Gate = factory.gate
+        self.phase = Phase.READING
+        #: ``phase is Phase.CLOSED``, kept as a plain attribute: handlers read it per part.
         self.gone = False
+        self.handler: IDoorHandler | None = None
+        self.client = "?"
+        #: The client's bytes (and EOF) that came while ``DECIDING``, for the next reader.
+        self.pending: list[bytes] = []
+        self.pendingEOF = False
         self.tunnel: Tunnel | None = None
         self.terminated: IProtocol | None = None
+        #: ``terminated`` when it takes half-closes (``IHalfCloseableProtocol``).
+        self.halfClose: IHalfCloseableProtocol | None = None
         #: (kind, grant, when) of the terminated tunnel, for its audit record.
         self.terminatedAs: tuple[str, Grant, float] | None = None
-        self.awaiting = False
-        self.pendingEOF = False
         self.paused = False
         self.headerDeadline: float | None = None
 
@@ -167,7 +178,7 @@ class FrontDoor(Protocol):
         why = self.factory.peers.check(peer, host)
         if why is not None:
             self.factory.record("peer", client=self.client, reason=why)
-            self.gone = True
+            self._become(Phase.CLOSED)
             self.transport.abortConnection()
             return
         # However the socket came (bound port, socket activation, the dispatcher).
@@ -185,62 +196,80 @@ class FrontDoor(Protocol):
     def _headerTimeout(self) -> None:
         self.headerDeadline = None
         self.parseError(
-            "http" if self.handler is None else self.handler.kind if hasattr(self.handler, "kind") else "socks",
+            "http" if self.handler is None else self.handler.kind,
             f"no complete request within {self.config.proxy.header_timeout:g}s (proxy.header_timeout)",
             b"",
         )
 
+    def _become(self, phase: Phase, receive: Callable[[bytes], None] | None = None) -> None:
+        """The one place the door's phase changes.
+
+        Spliced or terminated, ``receive`` (the tunnel's or the terminator's
+        reader) takes the client's bytes from now on, straight from the
+        transport: set on the instance, it shadows our ``dataReceived``.
+        """
+        if self.phase is Phase.CLOSED:
+            return  # the last phase: nothing reopens a closed door
+        self.phase = phase
+        self.gone = phase is Phase.CLOSED
+        if receive is not None:
+            self.dataReceived = receive  # type: ignore[method-assign,assignment]
+
     def dataReceived(self, data: bytes) -> None:
-        terminated = self.terminated
-        if terminated is not None:
-            terminated.dataReceived(data)
-            return
+        # READING and DECIDING only: the other phases read through ``_become``'s reader.
         if self.gone or not data:
             return
-        if self.handler is None:
-            self.handler = _handlerClass(data[0] == SOCKS_VERSION)(self)
+        handler = self.handler
+        if handler is None:
+            handler = self.handler = HANDLERS[data[0] == SOCKS_VERSION](self)
         try:
-            self.handler.dataReceived(data)
+            handler.dataReceived(data)
         except Exception:
             # A parser bug must cost this one connection, never the proxy.
             self.factory.log.failure("egress: handler failed for {client}", client=self.client)
             self.parseError("internal", "the proxy failed to parse the request", b"")
 
     def readConnectionLost(self) -> None:
-        if self.awaiting:
-            # The client said all it had to say before the tunnel opened (a
-            # request, then EOF); deliver the EOF once the tunnel exists.
-            self.pendingEOF = True
-        elif self.tunnel is not None:
-            self.tunnel.clientReadLost()
-        elif self.terminated is not None:
-            if IHalfCloseableProtocol.providedBy(self.terminated):
-                self.terminated.readConnectionLost()
-            else:
+        match self.phase:
+            case Phase.DECIDING:
+                # The client said all it had to say before the tunnel opened (a
+                # request, then EOF); the next reader gets the EOF (``_handOn``).
+                self.pendingEOF = True
+            case Phase.SPLICED:
+                assert self.tunnel is not None
+                self.tunnel.clientReadLost()
+            case Phase.TERMINATED if self.halfClose is not None:
+                self.halfClose.readConnectionLost()
+            case Phase.READING if self.handler is not None:
+                self.handler.readConnectionLost()
+            case _:
+                # No reader that takes a half-close: the connection ends.
                 self.transport.loseConnection()
-        elif self.handler is not None and hasattr(self.handler, "readConnectionLost"):
-            self.handler.readConnectionLost()
-        else:
-            self.transport.loseConnection()
 
     def writeConnectionLost(self) -> None:
-        if self.terminated is not None and IHalfCloseableProtocol.providedBy(self.terminated):
-            self.terminated.writeConnectionLost()
+        if self.phase is Phase.TERMINATED and self.halfClose is not None:
+            self.halfClose.writeConnectionLost()
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        self.gone = True
+        self._become(Phase.CLOSED)
         self.cancelHeaderTimer()
         self.factory.doors.discard(self)
         if self.tunnel is not None:
             self.tunnel.clientLost(reason)
         elif self.terminated is not None:
             self.terminated.connectionLost(reason)
-        if self.handler is not None and hasattr(self.handler, "connectionLost"):
+        if self.handler is not None:
             self.handler.connectionLost(reason)
         if self.terminatedAs is not None:
             self.factory.terminatedClosed(self, self.terminatedAs)
 
-    # -------------------------------------------------------------- helpers for handlers
+    # -------------------------------------------------------------- IFrontDoor: for handlers
+    def logFailure(self, why: str, failure: Failure) -> None:
+        self.factory.log.failure("egress: {why} for {client}", failure, why=why, client=self.client)
+
+    def connect(self, grant: Grant, protocol: Protocol) -> Deferred[Any]:
+        return self.factory.connect(self.config, grant, protocol)
+
     def sessionRefusal(self, kind: str, password: bytes | None) -> str | None:
         """Attribute this connection to the session whose credential ``password`` is
         (``egress/sessions.py``); why it is refused when none is and
@@ -260,7 +289,7 @@ class FrontDoor(Protocol):
         if answer:
             self.transport.write(answer)
         self.transport.loseConnection()
-        self.gone = True
+        self._become(Phase.CLOSED)
 
     def buffered(self, data: bytes) -> None:
         """Bytes the client sent after its request, before the tunnel opened."""
@@ -288,12 +317,11 @@ class FrontDoor(Protocol):
     ) -> None:
         """Decide ``host:port``; on success call ``granted`` then splice, else ``refused``."""
         self.cancelHeaderTimer()
-        self.awaiting = True
+        self._become(Phase.DECIDING)
         factory = self.factory
 
         def onGrant(grant: Grant) -> None:
             if self.gone:
-                self.awaiting = False
                 factory.release()
                 return
             # One question, asked of the terminator that will serve the
@@ -322,38 +350,52 @@ class FrontDoor(Protocol):
 
             factory.connectTunnel(self.config, grant, UpstreamProtocol(), connected, failed)
 
-        def onRefusal(r: Refusal) -> None:
-            self.awaiting = False
+        def onVerdict(verdict: Verdict) -> None:
+            if isinstance(verdict, Grant):
+                onGrant(verdict)
+                return
+            if not self.gone:
+                self._become(Phase.READING)
             factory.record(
                 "refused",
                 kind=kind,
                 client=self.client,
                 host=host,
                 port=port,
-                reason=r.reason,
-                allow=r.allow,
-                address=r.address,
+                reason=verdict.reason,
+                allow=verdict.allow,
+                address=verdict.address,
             )
             if not self.gone:
-                refused(r)
+                refused(verdict)
 
-        def onRefusalFailure(f: Failure) -> None:
-            f.trap(RefusalError)
-            onRefusal(refusalOf(f))
+        self.decide(host, port, True, onVerdict)
 
+    def decide(self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+        """Ask this connection's gate about ``host:port``; ``then`` gets the verdict,
+        at once (no DNS needed) or once the name has resolved (the only Deferred
+        of a decision: the resolver's)."""
+        gate = self.gate
         try:
-            result = factory.decideNow(self.config, host, port, reserve=True)
-        except RefusalError as e:
-            onRefusal(e.refusal)
+            step = gate.decide(host, port, reserve)
+            if not isinstance(step, Resolve):
+                then(step)
+                return
+        except Exception:
+            self._bug(Failure())
             return
-        if isinstance(result, Grant):
-            # An IP literal: no DNS, so no Deferred at all.
-            try:
-                onGrant(result)
-            except Exception:
-                self._bug(Failure())
-            return
-        result.addCallbacks(onGrant, onRefusalFailure).addErrback(self._bug)
+
+        def resolved(addresses: Sequence[IPAddress]) -> None:
+            then(gate.resolved(step, addresses))
+
+        def unresolved(f: Failure) -> None:
+            if f.check(ResolveError):
+                then(gate.unresolved(step, f.getErrorMessage()))
+                return
+            gate.abandon(step)
+            self._bug(f)
+
+        self.factory.resolver.resolve(step.host, step.port).addCallbacks(resolved, unresolved).addErrback(self._bug)
 
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
@@ -364,6 +406,7 @@ class FrontDoor(Protocol):
         # A factory built without a terminator (a bare proxy) fails closed on
         # the hosts its config injects rather than opening them without the credential.
         self.factory.release()
+        self._become(Phase.READING)
         r = Refusal(
             "inject",
             f"{grant.host}:443 has an inject rule ([[inject]] hosts), but this proxy runs without "
@@ -376,11 +419,13 @@ class FrontDoor(Protocol):
     def _terminate(
         self, kind: str, grant: Grant, terminator: ITerminator, granted: Callable[[], None]
     ) -> None:
-        self.awaiting = False
         granted()
         protocol = terminator.terminate(grant.host, grant.addresses)
         self.terminated = protocol
+        if IHalfCloseableProtocol.providedBy(protocol):
+            self.halfClose = protocol
         self.terminatedAs = (kind, grant, self.factory.clock.seconds())
+        self._become(Phase.TERMINATED, protocol.dataReceived)
         protocol.makeConnection(self.transport)
         self._handOn(protocol.dataReceived, self.readConnectionLost)
 
@@ -398,11 +443,9 @@ class FrontDoor(Protocol):
         self, kind: str, grant: Grant, upstream: UpstreamProtocol, granted: Callable[[], None]
     ) -> None:
         if self.gone:
-            self.awaiting = False
             upstream.transport.loseConnection()
             self.factory.release()
             return
-        self.awaiting = False
         granted()
         if grant.shown is not None:
             address: str | None = grant.shown
@@ -416,7 +459,7 @@ class FrontDoor(Protocol):
         tunnel = Tunnel(self.transport, upstream, onClose, self.config.proxy.idle_timeout, started)
         self.tunnel = tunnel
         self.factory.tunnels.add(tunnel)
-        self.dataReceived = tunnel.fromClient  # type: ignore[method-assign]
+        self._become(Phase.SPLICED, tunnel.fromClient)
         self._handOn(tunnel.fromClient, tunnel.clientReadLost)
         if not tunnel.closed:
             self.factory.handOff(tunnel)
@@ -424,7 +467,8 @@ class FrontDoor(Protocol):
     def _dialFailed(
         self, kind: str, grant: Grant, f: Failure, refused: Callable[[Refusal], None]
     ) -> None:
-        self.awaiting = False
+        if not self.gone:
+            self._become(Phase.READING)
         self.factory.release()
         r = refusalOf(f) if f.check(RefusalError) else Refusal("dial", f.getErrorMessage())
         self.factory.record(
@@ -475,13 +519,12 @@ class EgressProxyFactory(Factory):
         self.spliceFast = spliceFast
         self.doors: set[FrontDoor] = set()
         self.tunnels: set[Tunnel] = set()
-        self.reserved = 0
         self.zeroCopied = 0
         self._sweeper: Any = None
-        self._allowCache: tuple[Config, AllowList] | None = None
-        self._hostDecisions: dict[tuple[str, int], HostDecision] = {}
-        self._addressDecisions: dict[tuple[str, int, IPAddress], AddressDecision] = {}
-        self._literalDecisions: dict[tuple[str, int], Grant | Refusal] = {}
+        self.slots = TunnelSlots()
+        #: The decisions of the config in force: the gate a new connection asks.
+        self.gate = Gate.ofConfig(self.holder.current, self.slots)
+        self.holder.subscribe(self._configSwapped)
         self._localAddresses: dict[Any, tuple[str, int] | None] = {}
         #: Per-session credentials: the session of each client address (the service shares its own).
         self.sessions = SessionRegistry()
@@ -609,129 +652,19 @@ class EgressProxyFactory(Factory):
         if zeroCopy(tunnel, self.reactor):
             self.zeroCopied += 1
 
-    def allowListOf(self, config: Config) -> AllowList:
-        """The parsed allow list of ``config``, parsed once per config (reloads swap configs)."""
-        cached = self._allowCache
-        if cached is None or cached[0] is not config:
-            cached = self._allowCache = (config, config.sandbox.allowList)
-            self._hostDecisions.clear()
-            self._addressDecisions.clear()
-            self._literalDecisions.clear()
-        return cached[1]
+    # -------------------------------------------------------------- the gate
+    def _configSwapped(self, old: Config, new: Config) -> None:
+        # One gate per config; the slots go on to the new one, so open tunnels
+        # keep theirs and give them back to whichever gate is current.
+        self.gate = Gate.ofConfig(new, self.slots)
 
-    def _decideHost(self, allow: AllowList, host: str, port: int) -> HostDecision:
-        # Decisions are pure functions of (allow list, host, port); the caches
-        # are emptied whenever the config (so the allow list) changes.
-        key = (host, port)
-        found = self._hostDecisions.get(key)
-        if found is None:
-            if len(self._hostDecisions) >= DECISION_CACHE:
-                self._hostDecisions.clear()
-            found = self._hostDecisions[key] = decideHost(allow, host, port)
-        return found
+    @property
+    def reserved(self) -> int:
+        """Tunnel slots in use (``proxy.max_tunnels``), across reloads."""
+        return self.slots.inUse
 
-    def _decideAddresses(
-        self, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-    ) -> list[AddressDecision]:
-        out = []
-        for ip in addresses:
-            key = (name.host, name.port, ip)
-            found = self._addressDecisions.get(key)
-            if found is None:
-                if len(self._addressDecisions) >= DECISION_CACHE:
-                    self._addressDecisions.clear()
-                found = self._addressDecisions[key] = decideAddresses(allow, name, [ip])[0]
-            out.append(found)
-        return out
-
-    # -------------------------------------------------------------- limits
     def release(self) -> None:
-        self.reserved = max(0, self.reserved - 1)
-
-    # -------------------------------------------------------------- decisions
-    def decide(self, config: Config, host: str, port: int, reserve: bool = False) -> Deferred[Grant]:
-        """Grant or refuse ``host:port`` under ``config`` (fails with RefusalError)."""
-        try:
-            result = self.decideNow(config, host, port, reserve)
-        except RefusalError as e:
-            return fail(e)
-        return succeed(result) if isinstance(result, Grant) else result
-
-    def decideNow(
-        self, config: Config, host: str, port: int, reserve: bool = False
-    ) -> Grant | Deferred[Grant]:
-        """``decide`` without a Deferred when no DNS is needed (IP literals): a Grant,
-        or RefusalError raised; otherwise a Deferred.  With ``reserve``, a tunnel
-        slot is taken and given back on every refusal."""
-        allow = self.allowListOf(config)
-        name = self._decideHost(allow, host, port)
-        if not name.allowed:
-            suggestion = None
-            if "not on the sandbox's allow list" in name.reason:
-                suggestion = suggestEntry(name.host, port)
-            raise RefusalError(Refusal("policy", name.reason, allow=suggestion))
-        if reserve:
-            if self.reserved >= config.proxy.max_tunnels:
-                raise RefusalError(
-                    Refusal(
-                        "limit",
-                        f"{config.proxy.max_tunnels} tunnels are open, the most proxy.max_tunnels "
-                        f"allows; {name.host}:{port} was not opened",
-                    )
-                )
-            self.reserved += 1
-        literal = name.literal
-        if literal is not None:
-            # Like the name decision, a literal's grant depends only on the
-            # config, so it is made once per (host, port) and config.
-            key = (name.host, port)
-            known = self._literalDecisions.get(key)
-            if known is None:
-                if len(self._literalDecisions) >= DECISION_CACHE:
-                    self._literalDecisions.clear()
-                try:
-                    known = self._checked(config, allow, name, (literal,))
-                except RefusalError as e:
-                    known = e.refusal
-                self._literalDecisions[key] = known
-            if isinstance(known, Grant):
-                return known
-            if reserve:
-                self.release()
-            raise RefusalError(known)
-        d = self.resolver.resolve(name.host, port)
-
-        def unresolved(f: Failure) -> Grant:
-            f.trap(ResolveError)
-            if config.proxy.parent is not None:
-                # Names only the organisation's resolver knows: the parent resolves them.
-                return Grant(name.host, port, (), name.entry.text if name.entry else "", True)
-            raise RefusalError(Refusal("resolve", f.getErrorMessage()))
-
-        def unreserve(f: Failure) -> Failure:
-            if reserve:
-                self.release()
-            return f
-
-        d.addCallbacks(lambda addresses: self._checked(config, allow, name, addresses), unresolved)
-        d.addErrback(unreserve)
-        return d  # type: ignore[return-value]
-
-    def _checked(
-        self, config: Config, allow: AllowList, name: HostDecision, addresses: Sequence[IPAddress]
-    ) -> Grant:
-        decisions = self._decideAddresses(allow, name, addresses)
-        ok = tuple(x.address for x in decisions if x.allowed)
-        port = name.port
-        if not ok:
-            first = decisions[0]
-            shown = unwrapMapped(first.address)
-            allowText = f"{shown}:{port}" if shown.version == 4 else f"[{shown}]:{port}"
-            reason = "; ".join(x.reason for x in decisions)
-            raise RefusalError(Refusal("policy", reason, allow=allowText, address=str(first.address)))
-        viaParent = config.proxy.parent is not None and any(classifyAddress(a) is None for a in ok)
-        single = str(ok[0]) if len(ok) == 1 else None
-        return Grant(name.host, port, ok, name.entry.text if name.entry else "", viaParent, single)
+        self.gate.release()
 
     def connectTunnel(
         self,
@@ -751,8 +684,6 @@ class EgressProxyFactory(Factory):
     def connect(self, config: Config, grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream: the parent proxy, or each checked address in turn."""
         if grant.viaParent and config.proxy.parent is not None:
-            from agentsandbox.egress.http import ParentHandshake
-
             phost, pport = parseParent(config.proxy.parent)
             endpoint = HostnameEndpoint(self.reactor, phost, pport, timeout=30)
             handshake = ParentHandshake(grant.host, grant.port, protocol)

@@ -1,10 +1,10 @@
 """Resolving a name once, in the reactor's thread pool.
 
 The proxy resolves a granted name exactly once, classifies every A and AAAA
-answer (``rules.decideAddress``) and dials only the checked addresses, so a
+answer (the gate, ``gate.py``) and dials only the checked addresses, so a
 second lookup can never hand it a different, unchecked address (DNS
-rebinding).  The lookup itself and the synchronous whole decision live in
-``names`` (stdlib only: the hook decides WebFetch's URLs with them).
+rebinding).  The lookup itself lives in ``names`` (stdlib only: the hook and
+``check host`` resolve with it).
 """
 
 from __future__ import annotations
@@ -17,25 +17,19 @@ from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress
 from agentsandbox.egress.interfaces import IResolver
 from agentsandbox.egress.names import (
     GetAddrInfo,
     ResolveError,
     addressesFromGetaddrinfo,
-    decideAddresses,
-    describeResolved,
     hostsFileAddresses,
 )
-from agentsandbox.egress.rules import HostDecision, IPAddress, decideHost
 
 __all__ = [
-    "HostDecision",
     "ResolveError",
     "SystemResolver",
     "addressesFromGetaddrinfo",
-    "decideAddresses",
-    "decideHost",
-    "describeResolved",
     "hostsFileAddresses",
 ]
 

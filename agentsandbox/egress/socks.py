@@ -12,12 +12,13 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
+from agentsandbox.egress.interfaces import IDoorHandler, IFrontDoor
 from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Refusal
-    from agentsandbox.egress.proxy import FrontDoor
 
 VERSION = 5
 NO_AUTH = 0
@@ -53,10 +54,13 @@ def reply(code: int) -> bytes:
     return bytes([VERSION, code, 0, ATYP_IPV4, 0, 0, 0, 0, 0, 0])
 
 
+@implementer(IDoorHandler)
 class SocksHandler:
     """Parses the greeting, the optional sub-negotiation and the request, then asks the door."""
 
-    def __init__(self, door: FrontDoor) -> None:
+    kind = "socks"
+
+    def __init__(self, door: IFrontDoor) -> None:
         self.door = door
         self.buffer = b""
         self.state = "greeting"

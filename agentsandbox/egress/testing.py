@@ -50,10 +50,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from zope.interface import implementer
 
+from agentsandbox.allowlist import IPAddress
 from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
 from agentsandbox.egress.interfaces import IDialer, IPeerChecker, IResolver, ITokenHolder
 from agentsandbox.egress.resolve import ResolveError
-from agentsandbox.egress.rules import IPAddress
 
 #: Where a dial with no route goes: a closed loopback port, so it is refused here.
 _NOWHERE = ("127.0.0.1", 1)
@@ -68,10 +68,18 @@ class FixedResolver:
         self.lookups: list[str] = []
 
     def resolve(self, host: str, port: int) -> Deferred[Sequence[IPAddress]]:
+        try:
+            return succeed(self.addresses(host, port))
+        except ResolveError as e:
+            return fail(e)
+
+    def addresses(self, host: str, port: int) -> list[IPAddress]:
+        """The same answer, synchronously (raises ResolveError): what ``check host``
+        and ``gate.Gate.decideResolving`` take, so both sides read one table."""
         self.lookups.append(host)
         if host not in self.table or not self.table[host]:
-            return fail(ResolveError(host, "not in the test's table"))
-        return succeed(list(self.table[host]))
+            raise ResolveError(host, "not in the test's table")
+        return list(self.table[host])
 
 
 @implementer(IDialer)
