@@ -351,7 +351,8 @@ def refusedByName(host: str, port: int) -> str:
     """The refusal text for a host no entry allows."""
     return (
         f"{host}:{port} is not on the sandbox's allow list "
-        f"(add {suggestEntry(host, port)!r} to {DOMAINS_KEY} to allow it)"
+        f"(add {suggestEntry(host, port)!r} to {DOMAINS_KEY} to allow it, "
+        'or set proxy.unlisted = "ask" to be asked while a request waits)'
     )
 
 

@@ -120,3 +120,49 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("a control message must be a JSON object")
     return value
+
+
+# --------------------------------------------------------------------------- events
+#
+# What ``follow`` streams and what the registry's subscribers get: the same
+# dicts, so the terminal view and the desktop notifier see one thing.
+
+
+def heldEvent(request: HeldRequest) -> dict[str, Any]:
+    return {"event": "held", "request": request.toWire()}
+
+
+def decidedEvent(request: HeldRequest, answer: Answer) -> dict[str, Any]:
+    return {"event": "decided", "request": request.toWire(), "answer": answer.toWire()}
+
+
+def timedoutEvent(request: HeldRequest) -> dict[str, Any]:
+    return {"event": "timedout", "request": request.toWire()}
+
+
+def withdrawnEvent(request: HeldRequest) -> dict[str, Any]:
+    """The client went away before anyone answered: the request is no longer held."""
+    return {"event": "withdrawn", "request": request.toWire()}
+
+
+def observedEvent(host: str, port: int, kind: str) -> dict[str, Any]:
+    return {"event": "observed", "host": host, "port": port, "kind": kind}
+
+
+def describeAnswer(answer: Answer) -> str:
+    """``allow once``, ``allow for 10m``, ``deny always``: how the person answered."""
+    if answer.scope != "for":
+        return f"{answer.verdict} {answer.scope}"
+    if answer.seconds is None:
+        return f"{answer.verdict} until the service stops"
+    return f"{answer.verdict} for {formatSeconds(answer.seconds)}"
+
+
+def formatSeconds(seconds: float) -> str:
+    """``45s``, ``10m``, ``2h``, ``1h30m``: a duration as ``--for`` takes it."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m" + (f"{s % 60}s" if s % 60 else "")
+    return f"{s // 3600}h" + (f"{s % 3600 // 60}m" if s % 3600 // 60 else "")

@@ -28,7 +28,10 @@ from twisted.logger import Logger
 
 #: Event names.  ``tunnel``/``forward``: allowed, written at close;
 #: ``withheld``: a terminated response that carried the token, cut.
-EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed", "withheld")
+#: ``held``/``decided``/``timedout``: a request for an unlisted host held for the
+#: person's answer, answered (``by`` whom, ``verdict``, ``scope``, ``seconds``),
+#: or not answered in time; ``control``: a refused approvals control request.
+EVENTS = ("tunnel", "forward", "refused", "peer", "parse", "failed", "withheld", "held", "decided", "timedout", "control")
 #: The only fields a record may hold.
 FIELDS = (
     "kind",
@@ -47,6 +50,11 @@ FIELDS = (
     "path",
     "rule",
     "session",
+    "id",
+    "by",
+    "verdict",
+    "scope",
+    "seconds",
 )
 
 
@@ -191,6 +199,17 @@ def _journalLine(rec: dict[str, Any]) -> str:
         return f"egress: withheld a response to {rec.get('method', '')} {rec.get('path', '')} from {target}: {rec.get('reason', '')}"
     if ev == "refused":
         return f"egress: refused {kind} {target} from {client}: {rec.get('reason', '')}"
+    if ev == "held":
+        return f"approvals: holding {kind} {target} from {client} (request {rec.get('id', '')}): {rec.get('reason', '')}"
+    if ev == "decided":
+        scope = rec.get("scope", "")
+        if scope == "for":
+            scope = f"for {rec['seconds']:g}s" if "seconds" in rec else "until the service stops"
+        return f"approvals: {rec.get('verdict', '')} {scope} {target} (request {rec.get('id', '')}) by {rec.get('by', '')}"
+    if ev == "timedout":
+        return f"approvals: nobody answered for {target} (request {rec.get('id', '')}): {rec.get('reason', '')}"
+    if ev == "control":
+        return f"approvals: refused a control request from {client}: {rec.get('reason', '')}"
     if ev == "peer":
         return f"egress: refused a connection from {client}: {rec.get('reason', '')}"
     if ev == "parse":
@@ -251,6 +270,14 @@ def _parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def _isDenial(rec: dict[str, Any]) -> bool:
+    """A refusal of any kind: the proxy's, a person's deny, nobody answering, a control request refused."""
+    event = rec.get("event")
+    return event in ("refused", "peer", "parse", "withheld", "timedout", "control") or (
+        event == "decided" and rec.get("verdict") == "deny"
+    )
+
+
 def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     parser = _parser("log", "Show the egress decision log.")
     parser.add_argument("--denied", action="store_true", help="only refusals")
@@ -265,7 +292,7 @@ def logMain(argv: list[str], now: Callable[[], float] = time.time) -> int:
     for rec in readRecords(_auditPath("log", args)):
         if since is not None and rec["ts"] < since:
             continue
-        if args.denied and rec.get("event") not in ("refused", "peer", "parse", "withheld"):
+        if args.denied and not _isDenial(rec):
             continue
         if args.session is not None and rec.get("session") != args.session:
             continue

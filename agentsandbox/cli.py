@@ -60,6 +60,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "uninstall": ("agentsandbox.setup", "uninstallMain", "undo exactly what setup did"),
     "log": ("agentsandbox.audit", "logMain", "show egress decisions: [--denied] [--since 2h] [--json]"),
     "suggest": ("agentsandbox.audit", "suggestMain", "print sandbox.domains entries for recent refusals"),
+    "approvals": ("agentsandbox.approvecli", "approvalsMain", "what waits for your answer (proxy.unlisted = \"ask\"), recent decisions"),
+    "approve": ("agentsandbox.approvecli", "approveMain", "let a held request through: ID|HOST [--once|--for DURATION|--always]"),
+    "deny": ("agentsandbox.approvecli", "denyMain", "refuse a held request: ID|HOST [--once|--for DURATION|--always]"),
 }
 
 

@@ -144,7 +144,7 @@ def _checkHost(config: Config, target: str, resolve: bool, addressesOf: Any = No
     # The proxy's own readings: the authority parser of CONNECT (a bare host or
     # IPv6 literal takes port 443), then the gate every front door asks.
     from agentsandbox.allowlist import parseAuthority
-    from agentsandbox.egress.gate import Gate, Resolve
+    from agentsandbox.egress.gate import Ask, Gate, Resolve
     from agentsandbox.egress.grant import Grant, Refusal
     from agentsandbox.egress.names import ResolveError, addressesFromGetaddrinfo
 
@@ -159,6 +159,13 @@ def _checkHost(config: Config, target: str, resolve: bool, addressesOf: Any = No
     step = gate.decide(*authority)
     name = gate.name(*authority)
     entry = name.entry
+    if isinstance(step, Ask):
+        print(
+            f"asked: {step.host}:{step.port} is not on sandbox.domains; with proxy.unlisted = \"ask\" "
+            f"the proxy holds it for your answer (agentsandbox approve {step.host}) before "
+            "resolving it, and the address rules still apply after an allow"
+        )
+        return 1
     if entry is None:
         assert isinstance(step, Refusal)
         print(f"refused: {step.reason}")

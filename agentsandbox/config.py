@@ -21,7 +21,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from agentsandbox.allowlist import (
     AllowList,
@@ -96,6 +96,16 @@ GITHUB_HOSTS = ("github.com", "api.github.com", "uploads.github.com")
 
 #: The allow list when the config names none: GitHub, whose token the built-in
 #: inject rule sets.  A config's own ``domains`` replaces it.
+#: ``proxy.unlisted``, from the least permissive to the most (``machine.narrow``
+#: keeps a user's value only when it is not more permissive than the machine's).
+UNLISTED = ("refuse", "ask", "observe")
+Unlisted = Literal["refuse", "ask", "observe"]
+
+#: 90 s: long enough to read a notification and answer, and shorter than Claude
+#: Code's Bash tool timeout (2 minutes by default), so the agent reads the
+#: proxy's words ("nobody answered ...") rather than a command killed for time.
+DEFAULT_ASK_TIMEOUT = 90.0
+
 DEFAULT_DOMAINS = ("github.com", "*.github.com", "*.githubusercontent.com")
 
 
@@ -262,6 +272,13 @@ class ProxyConfig:
     dispatch_root: bool = False
     #: Refuse requests that carry no registered session credential (egress/sessions.py).
     require_session: bool = False
+    #: What a host off ``sandbox.domains`` gets: refused, held while the person is
+    #: asked (docs/approvals.md), or let through and recorded ("would refuse").
+    unlisted: Unlisted = "refuse"
+    #: How long a held request waits for the person's answer.
+    ask_timeout: float = DEFAULT_ASK_TIMEOUT
+    #: How many requests this user's service holds at once; past it, refused at once.
+    max_held: int = 32
 
     @property
     def endpoint(self) -> str:
@@ -327,12 +344,20 @@ class SandboxConfig:
     keep_env: tuple[str, ...] = ()
     #: Tools the drop-in removes by default (``tools.removedTools``) that this config re-opens.
     allow_tools: tuple[str, ...] = ()
+    #: Hosts refused even where ``domains`` allows them, and never asked about
+    #: (``agentsandbox deny --always`` writes here); the allow-list grammar.
+    refused_domains: tuple[str, ...] = ()
 
     @functools.cached_property
     def allowList(self) -> AllowList:
         """``domains`` parsed, once per config: the proxy's gate, ``check host`` and the
         built-in rules read this one parse (a reload builds a new config, so a new one)."""
         return AllowList.parse(self.domains)
+
+    @functools.cached_property
+    def refusedList(self) -> AllowList:
+        """``refused_domains`` parsed, once per config, in the allow list's grammar."""
+        return AllowList.parse(self.refused_domains)
 
 
 @dataclass(frozen=True)
@@ -677,6 +702,12 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
         for i, v in enumerate(values):
             if not _ENV_PATTERN.fullmatch(v):
                 raise t.error(f"{key}[{i}]", f"{v!r} is not a variable name or a */? pattern")
+    refusedDomains = t.strings("refused_domains", ())
+    for i, text in enumerate(refusedDomains):
+        try:
+            Entry.parse(text)
+        except EntryError as e:
+            raise t.error(f"refused_domains[{i}]", str(e)) from None
     allowTools = t.strings("allow_tools", ())
     for i, name in enumerate(allowTools):
         if name not in reopenable():
@@ -687,7 +718,7 @@ def _parseSandbox(t: _Table, paths: Paths) -> SandboxConfig:
     t.finish()
     return SandboxConfig(
         read=read, write=write, deny=deny, domains=domains, unset_env=unset, keep_env=keep,
-        allow_tools=allowTools,
+        allow_tools=allowTools, refused_domains=refusedDomains,
     )
 
 
@@ -867,9 +898,23 @@ def _parseProxy(t: _Table) -> ProxyConfig:
         dispatch_socket=dispatch,
         dispatch_root=t.get("dispatch_root", bool, False),
         require_session=t.get("require_session", bool, False),
+        unlisted=_unlisted(t),
+        ask_timeout=_positive(t, "ask_timeout", float, DEFAULT_ASK_TIMEOUT),
+        max_held=_positive(t, "max_held", int, 32),
     )
     t.finish()
     return proxy
+
+
+def _unlisted(t: _Table) -> Unlisted:
+    value = t.get("unlisted", str, "refuse")
+    if value not in UNLISTED:
+        raise t.error(
+            "unlisted",
+            f"{value!r} is not one of {', '.join(repr(v) for v in UNLISTED)} (what a host off "
+            "sandbox.domains gets: refused, asked of the person, or let through and recorded)",
+        )
+    return cast(Unlisted, value)
 
 
 def _parseToken(t: _Table, paths: Paths) -> TokenSource:

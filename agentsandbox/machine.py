@@ -10,8 +10,15 @@ places (Claude Code's sandbox through the policy helper, the hook, the proxy,
   ``keep_env``, ``allow_tools``, ``run.env``): the user's entries that the
   machine's already grant; any other is left out, with a notice naming both
   files and the key;
-- lists of what the agent may not do (``sandbox.deny``, ``unset_env``): the
-  machine's plus the user's;
+- lists of what the agent may not do (``sandbox.deny``, ``unset_env``,
+  ``refused_domains``): the machine's plus the user's;
+- ``proxy.unlisted``: the user's where it is not more permissive than the
+  machine's (refuse < ask < observe);
+- where the machine's ``proxy.unlisted`` is ask (or observe), it has handed
+  hosts off its list to each person, so a user's ``sandbox.domains`` name
+  entries (what the person approved ``--always``) are kept beyond the
+  machine's list; entries that open addresses (IPs, CIDRs, loopback) are still
+  held to it, because address rules are never asked;
 - where the sandboxes dial and the dispatcher (``proxy.port``, ``listen``,
   ``dispatch_socket``, ``dispatch_root``): the machine's alone;
 - what is the user's by nature (their tokens and ``inject`` rules with their
@@ -33,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # config.load calls narrow: the values come in, nothing is imported back
     from agentsandbox.config import Config
+
+#: ``proxy.unlisted`` from the least permissive to the most (config.UNLISTED).
+UNLISTED = ("refuse", "ask", "observe")
 
 #: ``proxy`` keys that are the machine's alone: the port every sandbox dials and the dispatcher.
 MACHINE_PROXY_KEYS = ("port", "listen", "dispatch_socket", "dispatch_root")
@@ -72,7 +82,10 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         "sandbox.read", u.read, lambda p: any(under(p, e) for e in (*m.read, *m.write)), m.read
     )
     write = keptList("sandbox.write", u.write, lambda p: any(under(p, e) for e in m.write), m.write)
-    domains = keptList("sandbox.domains", u.domains, _domainGrant(m.domains), m.domains)
+    domainGrant = _domainGrant(m.domains)
+    if machine.proxy.unlisted != "refuse":
+        domainGrant = _delegatedGrant(domainGrant)
+    domains = keptList("sandbox.domains", u.domains, domainGrant, m.domains)
     keep = keptList("sandbox.keep_env", u.keep_env, _patternGrant(m.keep_env), m.keep_env)
     tools = keptList("sandbox.allow_tools", u.allow_tools, lambda t: t in m.allow_tools, m.allow_tools)
     runEnv = keptList("run.env", user.run.env, _patternGrant(machine.run.env), machine.run.env)
@@ -85,6 +98,9 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
         unset_env=_union(m.unset_env, u.unset_env if "unset_env" in sandboxGiven else ()),
         keep_env=keep,
         allow_tools=tools,
+        refused_domains=_union(
+            m.refused_domains, u.refused_domains if "refused_domains" in sandboxGiven else ()
+        ),
     )
 
     # [scope] is the user's, but running a cap uncapped is the machine's to allow.
@@ -101,6 +117,13 @@ def narrow(machine: Config, user: Config, given: Mapping[str, Any]) -> Config:
             proxyValues[name] = machine.proxy.require_session or (name in proxyGiven and user.proxy.require_session)
             if name in proxyGiven and machine.proxy.require_session and not user.proxy.require_session:
                 refused("proxy.require_session", False)
+        elif name == "unlisted":
+            # Where the machine refuses, a user may not ask or observe: at most the machine's.
+            wished = user.proxy.unlisted if name in proxyGiven else machine.proxy.unlisted
+            if UNLISTED.index(wished) > UNLISTED.index(machine.proxy.unlisted):
+                refused("proxy.unlisted", wished)
+                wished = machine.proxy.unlisted
+            proxyValues[name] = wished
         elif name in MACHINE_PROXY_KEYS:
             if name in proxyGiven and getattr(user.proxy, name) != getattr(machine.proxy, name):
                 refused(f"proxy.{name}", getattr(user.proxy, name))
@@ -139,6 +162,19 @@ def _domainGrant(machineDomains: tuple[str, ...]) -> Callable[[str], bool]:
 
     entries = [Entry.parse(text) for text in machineDomains]
     return lambda text: any(Entry.parse(text).within(e) for e in entries)
+
+
+def _delegatedGrant(grants: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``grants``, and any name entry: the machine asks the person about unlisted names,
+    so the names a person listed are theirs.  Address entries (an IP, a CIDR, a
+    loopback name with its port) stay the machine's: address rules are never asked."""
+    from agentsandbox.allowlist import Entry
+
+    def delegated(text: str) -> bool:
+        entry = Entry.parse(text)
+        return grants(text) or not (entry.isAddressEntry or entry.opensLoopback())
+
+    return delegated
 
 
 def _patternGrant(machinePatterns: tuple[str, ...]) -> Callable[[str], bool]:

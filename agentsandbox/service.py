@@ -26,9 +26,12 @@ from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from agentsandbox.approvals import controlSocket
 from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
 from agentsandbox.config import Config, load
+from agentsandbox.egress.approvals import ApprovalRegistry, configWriter
+from agentsandbox.egress.control import ControlFactory, ControlService
 from agentsandbox.egress.dial import tcpDialer
 from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
@@ -213,6 +216,20 @@ class AgentSandbox(MultiService):
         )
         dispatchSocket = locateDispatchSocket(config.proxy.dispatch_socket, self.environ)
         self.proxyFactory.sessions = self.sessions
+        # Requests for unlisted hosts held for the person (proxy.unlisted = "ask"),
+        # answered only on the control socket, never through the broker's spool.
+        self.approvals = ApprovalRegistry(
+            lambda: self.holder.current, clock if clock is not None else reactor,
+            self.proxyFactory.record, configWriter(lambda: self.holder.current),
+        )
+        self.proxyFactory.approvals = self.approvals
+        runtimeDir = config.paths.runtimeDir
+        self.control: ControlService | None = None
+        if runtimeDir is not None:
+            self.control = ControlService(
+                ControlFactory(self.approvals, self.proxyFactory.record), controlSocket(runtimeDir), reactor
+            )
+            self.control.setServiceParent(self)
         self.proxy = ProxyService(
             self.proxyFactory, dispatchSocket=dispatchSocket, awaitDispatcher=awaitDispatcher(dispatchSocket, config, self.environ)
         )

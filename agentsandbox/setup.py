@@ -123,10 +123,20 @@ write = []
 # Hosts sessions may reach through the egress proxy: host, *.domain,
 # host:port, IP:port, CIDR.  The default is GitHub's hosts.
 # domains = ["github.com", "*.github.com", "*.githubusercontent.com", "example.org"]
+# Hosts refused even where domains allows them, and never asked about
+# (agentsandbox deny HOST --always writes here).
+# refused_domains = []
 
 [proxy]
 # The loopback port sandboxed programs reach the proxy on.
 # port = 3190
+# A host off sandbox.domains is refused ("refuse"), or held while you are
+# asked ("ask"): answer with agentsandbox approvals / approve HOST / deny HOST,
+# or agentsandbox watch; approve --always adds the host to domains above.
+# Nobody answering within ask_timeout seconds refuses it.  "observe" lets
+# unlisted hosts through and records them, to learn a first list (suggest).
+# unlisted = "refuse"
+# ask_timeout = 90
 {listen}"""
 
 

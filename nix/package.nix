@@ -45,6 +45,7 @@ let
         service-identity
         zope-interface
         h11
+        tomlkit
       ]
       ++ twisted.optional-dependencies.tls;
 

@@ -145,7 +145,8 @@ def test_check_read_write_host(user: User) -> None:
     assert refused.returncode == 1
     assert refused.stdout == (
         "refused: example.com:443 is not on the sandbox's allow list "
-        "(add 'example.com' to sandbox.domains to allow it)\n"
+        "(add 'example.com' to sandbox.domains to allow it, "
+        'or set proxy.unlisted = "ask" to be asked while a request waits)\n'
     )
     assert cli(user, "check", "host", "127.0.0.1:6443").returncode == 0
     assert cli(user, "check", "host", "127.0.0.1:6444").returncode == 1

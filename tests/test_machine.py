@@ -351,3 +351,61 @@ def test_running_a_cap_uncapped_is_the_machines_to_allow(user: User, machineFile
     assert "scope.allow_uncapped = True is not granted" in config.notices[0]
     machineFile.write(MACHINE + '\n[scope]\nallow_uncapped = true\n')
     assert load(None, user.env).scope.allow_uncapped is True
+
+
+# --------------------------------------------------------------------------- unlisted hosts (issue 28)
+
+
+def _leftOut(notices: tuple[str, ...]) -> list[str]:
+    return [n.split(": ", 1)[1].split(" = ", 1)[0] for n in notices]
+
+
+def test_unlisted_is_at_most_the_machines(user: User, machineFile: MachineConfig) -> None:
+    """refuse < ask < observe: a user may choose the machine's or a stricter one."""
+    machineFile.write(MACHINE)  # no proxy.unlisted: the built-in refuse
+    user.writeConfig('[proxy]\nunlisted = "ask"\n')
+    config = load(None, user.env)
+    assert config.proxy.unlisted == "refuse" and _leftOut(config.notices) == ["proxy.unlisted"]
+    machineFile.write(MACHINE.replace("max_tunnels = 100\n", 'max_tunnels = 100\nunlisted = "ask"\n'))
+    for wished, got, notices in (("refuse", "refuse", []), ("ask", "ask", []), ("observe", "ask", ["proxy.unlisted"])):
+        user.writeConfig(f'[proxy]\nunlisted = "{wished}"\nask_timeout = 30\nmax_held = 4\n')
+        config = load(None, user.env)
+        assert (config.proxy.unlisted, _leftOut(config.notices)) == (got, notices)
+        assert (config.proxy.ask_timeout, config.proxy.max_held) == (30.0, 4)  # the user's limits
+    user.writeConfig("[proxy]\nmax_held = 4\n")
+    assert load(None, user.env).proxy.unlisted == "ask"  # not given: the machine's
+
+
+def test_one_order_of_permissiveness() -> None:
+    from agentsandbox import config, machine
+
+    assert machine.UNLISTED == config.UNLISTED == ("refuse", "ask", "observe")
+
+
+def test_without_a_machine_config_unlisted_is_the_users_choice(user: User, machineFile: MachineConfig) -> None:
+    assert load(None, user.env).proxy.unlisted == "refuse"
+    user.writeConfig('[proxy]\nunlisted = "observe"\n')
+    assert load(None, user.env).proxy.unlisted == "observe"
+
+
+def test_a_machine_that_asks_keeps_the_persons_name_entries_but_not_their_addresses(
+    user: User, machineFile: MachineConfig
+) -> None:
+    """The machine handed unlisted names to each person; addresses are never asked."""
+    wished = ["api.example.com", "example.net", "*.example.edu", "example.net:8443",
+              "192.0.2.10:443", "172.16.0.0/12", "localhost:8080", "10.1.0.0/16"]
+    user.writeConfig(f"[sandbox]\ndomains = {json.dumps(wished)}\nrefused_domains = [\"evil.example.com\"]\n")
+    machineFile.write(MACHINE)
+    refusing = load(None, user.env)
+    assert refusing.sandbox.domains == ("api.example.com", "10.1.0.0/16")
+    machineFile.write(
+        MACHINE.replace("max_tunnels = 100\n", 'max_tunnels = 100\nunlisted = "ask"\n')
+        .replace("keep_env", 'refused_domains = ["bad.example.org"]\nkeep_env')
+    )
+    asking = load(None, user.env)
+    assert asking.sandbox.domains == (
+        "api.example.com", "example.net", "*.example.edu", "example.net:8443", "10.1.0.0/16"
+    )
+    assert _leftOut(asking.notices) == ["sandbox.domains[4]", "sandbox.domains[5]", "sandbox.domains[6]"]
+    # Refusals are the machine's plus the person's.
+    assert asking.sandbox.refused_domains == ("bad.example.org", "evil.example.com")

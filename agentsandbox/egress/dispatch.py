@@ -293,7 +293,9 @@ class _RefusingDoor:
     ) -> None:
         refused(_NO_SERVICE)
 
-    def decide(self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+    def decide(
+        self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None], kind: str = "forward"
+    ) -> None:
         then(_NO_SERVICE)
 
     def connect(self, grant: Grant, protocol: Protocol) -> Deferred[Any]:

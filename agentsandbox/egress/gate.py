@@ -20,13 +20,15 @@ left is the resolver's, held by the front door; ``check host`` resolves
 synchronously (``decideResolving``) and reads the same values, so the two
 cannot decide or word differently.
 
-Issue 28 adds a third verdict, ``Ask`` (hold an unlisted host for a person to
-decide), at step 1: where ``decide`` now refuses a name that is merely not
-listed (``HostDecision.allow`` is set), it will return ``Ask``.  ``Step``
-below is the one union to widen, and the callers that switch on it gain one
-branch each: ``proxy.FrontDoor.decide`` (which turns a ``Step`` into the
-``Verdict`` every handler already takes, so no handler changes) and
-``decideResolving`` (``check host`` and the hook, which ask no one).
+Issue 28 adds a third verdict, ``Ask``, at step 1: under ``proxy.unlisted =
+"ask"`` a name that is merely not listed (a host name on a TCP port, with no
+entry for it, not on ``sandbox.refused_domains``, not a literal address the
+address rules refuse anyway) is not refused but returned as ``Ask``, before
+any DNS.  The door holds it for the person (``egress/approvals.py``); on an
+allow it hands the ``Ask`` back to ``approved``, which takes steps 2 and 3 as
+for a listed name: the address rules are never asked.  ``sandbox.refused_domains``
+is read at step 1 too, before the allow list: a refused host is refused
+whatever lists it, and never asked about.
 
 One gate per config: ``EgressProxyFactory`` builds one for each config its
 ``ConfigHolder`` serves, so the decision caches (measured by
@@ -73,12 +75,33 @@ class Resolve:
         return self.name.port
 
 
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Not listed, and ``proxy.unlisted`` is ask: hold it for the person, nothing
+    resolved or dialled, then hand it to ``Gate.approved`` on an allow."""
+
+    name: HostDecision
+    #: Whether the caller wants a tunnel slot (taken only once the person allows).
+    reserve: bool
+
+    @property
+    def host(self) -> str:
+        return self.name.host
+
+    @property
+    def port(self) -> int:
+        return self.name.port
+
+    def refusal(self, reason: str) -> Refusal:
+        """The person said no, or nobody answered: refused in ``reason``'s words."""
+        return Refusal("policy", reason, allow=self.name.allow)
+
+
 #: A finished decision.
 Verdict = Grant | Refusal
-#: What ``Gate.decide`` returns.  Issue 28's ``Ask`` joins this union (at the
-#: name step: an unlisted host held for a person), not ``Verdict``: an answer
-#: to an ask is then a Grant or a Refusal like any other.
-Step = Grant | Refusal | Resolve
+#: What ``Gate.decide`` returns: an answer to an ``Ask`` is then a Grant or a
+#: Refusal like any other, so ``Ask`` joins this union, not ``Verdict``.
+Step = Grant | Refusal | Resolve | Ask
 
 
 class TunnelSlots:
@@ -106,8 +129,14 @@ class Gate:
         maxTunnels: int,
         parent: str | None = None,
         slots: TunnelSlots | None = None,
+        refused: AllowList | None = None,
+        unlisted: str = "refuse",
     ) -> None:
         self.allow = allow
+        #: ``sandbox.refused_domains``: refused at step 1 whatever lists them, never asked.
+        self.refused = refused
+        #: ``proxy.unlisted``: "ask" makes an unlisted name an ``Ask``.
+        self.unlisted = unlisted
         self.maxTunnels = maxTunnels
         self.parent = parent
         self.slots = slots if slots is not None else TunnelSlots()
@@ -120,7 +149,10 @@ class Gate:
     @classmethod
     def ofConfig(cls, config: Config, slots: TunnelSlots | None = None) -> Gate:
         """The gate of ``config`` (its one parse of ``sandbox.domains``), sharing ``slots``."""
-        return cls(config.sandbox.allowList, config.proxy.max_tunnels, config.proxy.parent, slots)
+        return cls(
+            config.sandbox.allowList, config.proxy.max_tunnels, config.proxy.parent, slots,
+            config.sandbox.refusedList if config.sandbox.refused_domains else None, config.proxy.unlisted,
+        )
 
     # ------------------------------------------------------------------ the steps
     def name(self, host: str, port: int) -> HostDecision:
@@ -130,7 +162,10 @@ class Gate:
         if found is None:
             if len(self._names) >= DECISION_CACHE:
                 self._names.clear()
-            found = self._names[key] = decideHost(self.allow, host, port)
+            found = decideHost(self.allow, host, port)
+            if self.refused is not None:
+                found = _refusedName(self.refused, found)
+            self._names[key] = found
         return found
 
     def decide(self, host: str, port: int, reserve: bool = False) -> Step:
@@ -142,7 +177,23 @@ class Gate:
         """
         name = self.name(host, port)
         if name.entry is None:
+            if self.unlisted == "ask" and name.allow is not None and not _refusedLiteral(name):
+                return Ask(name, reserve)
             return Refusal("policy", name.reason, allow=name.allow)
+        return self._afterName(name, reserve)
+
+    def approved(self, ask: Ask) -> Step:
+        """The person allowed ``ask``'s host: steps 2 and 3 as for a listed name,
+        the address rules included (a name the person allowed that resolves to a
+        private or loopback address is still refused unless an entry covers it)."""
+        name = ask.name
+        return self._afterName(
+            HostDecision(name.host, name.port, None, f"{name.host}:{name.port} was allowed by the person", name.allow),
+            ask.reserve,
+        )
+
+    def _afterName(self, name: HostDecision, reserve: bool) -> Step:
+        port = name.port
         if reserve and not self.slots.take(self.maxTunnels):
             return Refusal(
                 "limit",
@@ -193,6 +244,9 @@ class Gate:
         """The whole decision, resolving synchronously with ``resolve`` (which
         raises ``names.ResolveError``): ``check host`` and the hook's WebFetch."""
         step = self.decide(host, port)
+        if isinstance(step, Ask):
+            # No one to hold a synchronous question for: not listed is refused.
+            return step.refusal(step.name.reason)
         if not isinstance(step, Resolve):
             return step
         try:
@@ -234,3 +288,23 @@ class Gate:
 
 def _entryText(name: HostDecision) -> str:
     return name.entry.text if name.entry is not None else ""
+
+
+def _refusedName(refused: AllowList, name: HostDecision) -> HostDecision:
+    """``name`` refused when ``sandbox.refused_domains`` names it (before any allow entry)."""
+    if name.allow is None and name.entry is None:
+        return name  # no host name or no TCP port: its own words say why
+    entry = refused.byName(name.host, name.port)
+    if entry is None:
+        return name
+    return HostDecision(
+        name.host, name.port, None,
+        f"{name.host}:{name.port} is refused by {entry.text!r} in sandbox.refused_domains "
+        "(the person refused it; remove that entry to allow it or be asked again)",
+    )
+
+
+def _refusedLiteral(name: HostDecision) -> bool:
+    """An IP literal the address rules refuse anyway (loopback, private, ...): never asked."""
+    literal = name.literal
+    return literal is not None and classifyAddress(literal) is not None

@@ -348,7 +348,7 @@ class ForwardExchange:
         host, port = self.host, self.port
         assert host is not None and port is not None  # (start read them)
         self.door.transport.pauseProducing()
-        self.door.decide(host, port, False, self._decided)
+        self.door.decide(host, port, False, self._decided, "forward")
 
     def sendUp(self, data: bytes) -> None:
         """Request body bytes the framer passed: to the origin, or queued until it is connected."""

@@ -153,9 +153,13 @@ class IFrontDoor(Interface):
         """Decide ``host:port`` and open a tunnel: ``granted`` is called just before
         the client's bytes start flowing, ``refused`` (already audited) otherwise."""
 
-    def decide(host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+    def decide(
+        host: str, port: int, reserve: bool, then: Callable[[Verdict], None], kind: str = "forward"
+    ) -> None:
         """Ask the connection's gate about ``host:port``; ``then`` gets the verdict,
-        at once or once the name has resolved.  A forwarded request reserves no slot."""
+        at once, once the name has resolved, or (an unlisted host under
+        ``proxy.unlisted = "ask"``, held as a ``kind`` request) once the person
+        answered.  A forwarded request reserves no slot."""
 
     def connect(grant: Grant, protocol: Protocol) -> Deferred[Any]:
         """Connect ``protocol`` upstream as ``grant`` says (the parent proxy, or each

@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
     serverFromString,
@@ -50,8 +50,9 @@ from zope.interface import implementer
 from agentsandbox.allowlist import IPAddress, parseIP, unwrapMapped
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
+from agentsandbox.egress.approvals import ApprovalRegistry, Outcome
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
-from agentsandbox.egress.gate import Gate, Resolve, TunnelSlots, Verdict
+from agentsandbox.egress.gate import Ask, Gate, Resolve, Step, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http import HTTPHandler, ParentHandshake
 from agentsandbox.egress.interfaces import (
@@ -145,6 +146,8 @@ class FrontDoor(Protocol):
         self.halfClose: IHalfCloseableProtocol | None = None
         #: (kind, grant, when) of the terminated tunnel, for its audit record.
         self.terminatedAs: tuple[str, Grant, float] | None = None
+        #: The person's answer this connection waits for (proxy.unlisted = "ask").
+        self.held: Deferred[Outcome] | None = None
         self.paused = False
         self.headerDeadline: float | None = None
 
@@ -253,6 +256,9 @@ class FrontDoor(Protocol):
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
         self._become(Phase.CLOSED)
         self.cancelHeaderTimer()
+        held, self.held = self.held, None
+        if held is not None:
+            held.cancel()  # the registry withdraws the request: nobody waits for it any more
         self.factory.doors.discard(self)
         if self.tunnel is not None:
             self.tunnel.clientLost(reason)
@@ -369,21 +375,33 @@ class FrontDoor(Protocol):
             if not self.gone:
                 refused(verdict)
 
-        self.decide(host, port, True, onVerdict)
+        self.decide(host, port, True, onVerdict, kind)
 
-    def decide(self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None]) -> None:
+    def decide(
+        self, host: str, port: int, reserve: bool, then: Callable[[Verdict], None], kind: str = "forward"
+    ) -> None:
         """Ask this connection's gate about ``host:port``; ``then`` gets the verdict,
         at once (no DNS needed) or once the name has resolved (the only Deferred
-        of a decision: the resolver's)."""
+        of a decision: the resolver's), or once the person has answered for an
+        unlisted host (``proxy.unlisted = "ask"``: ``_ask``)."""
         gate = self.gate
         try:
             step = gate.decide(host, port, reserve)
-            if not isinstance(step, Resolve):
-                then(step)
+            if isinstance(step, Ask):
+                self._ask(step, kind, then)
                 return
         except Exception:
             self._bug(Failure())
             return
+        self._step(step, then)
+
+    def _step(self, step: Step, then: Callable[[Verdict], None]) -> None:
+        if not isinstance(step, Resolve):
+            if isinstance(step, Ask):  # (an approved step never asks again)
+                step = step.refusal(step.name.reason)
+            then(step)
+            return
+        gate = self.gate
 
         def resolved(addresses: Sequence[IPAddress]) -> None:
             then(gate.resolved(step, addresses))
@@ -396,6 +414,31 @@ class FrontDoor(Protocol):
             self._bug(f)
 
         self.factory.resolver.resolve(step.host, step.port).addCallbacks(resolved, unresolved).addErrback(self._bug)
+
+    def _ask(self, ask: Ask, kind: str, then: Callable[[Verdict], None]) -> None:
+        """Hold an unlisted host for the person (``egress/approvals.py``): nothing is
+        resolved or dialled before the answer.  Issue 28's one place in the door:
+        the gate said ``Ask``; the registry's Outcome makes it a verdict."""
+        registry = self.factory.approvals
+        if registry is None:
+            # No one to ask (a bare proxy, the dispatcher's door): not listed is refused.
+            then(ask.refusal(ask.name.reason))
+            return
+        session = self.factory.sessions.of(self.client)
+        held = self.held = registry.ask(
+            ask.host, ask.port, kind, self.client, None if session is None else f"session {session}"
+        )
+
+        def answered(outcome: Outcome) -> None:
+            self.held = None
+            if self.gone:
+                return
+            if not outcome.allowed:
+                then(ask.refusal(outcome.text))
+                return
+            self._step(self.gate.approved(ask), then)
+
+        held.addCallbacks(answered, lambda f: f.trap(CancelledError)).addErrback(self._bug)
 
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
@@ -528,6 +571,9 @@ class EgressProxyFactory(Factory):
         self._localAddresses: dict[Any, tuple[str, int] | None] = {}
         #: Per-session credentials: the session of each client address (the service shares its own).
         self.sessions = SessionRegistry()
+        #: Where unlisted hosts are held for the person under proxy.unlisted = "ask"
+        #: (egress/approvals.py); None: asking is not wired, and such hosts are refused.
+        self.approvals: ApprovalRegistry | None = None
 
     def buildProtocol(self, addr: Any) -> FrontDoor:  # type: ignore[override]
         return FrontDoor(self)

@@ -70,6 +70,9 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     rest: bytes = b""
+    #: More names the service's resolver answers (each a documentation address its
+    #: dialer sends to the local port): unlisted hosts a test reaches once allowed.
+    routes: dict[str, int] = field(default_factory=dict)
 
     @property
     def reportPath(self) -> Path:
@@ -85,7 +88,8 @@ class ServiceProcess:
         env["PYTHONPATH"] = str(REPO) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.service_harness", "--config", str(self.configPath),
-             "--git-root", str(self.gitRoot), "--report", str(self.reportPath), "--log", str(self.logPath)],
+             "--git-root", str(self.gitRoot), "--report", str(self.reportPath), "--log", str(self.logPath),
+             *(f"--route={name}={port}" for name, port in self.routes.items())],
             env=env, cwd=str(REPO), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -336,6 +340,7 @@ def _childMain(argv: list[str]) -> int:
     parser.add_argument("--git-root", required=True)
     parser.add_argument("--report", required=True)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--route", action="append", default=[], help="NAME=LOCALPORT")
     args = parser.parse_args(argv)
 
     from twisted.internet import reactor as installed
@@ -370,9 +375,15 @@ def _childMain(argv: list[str]) -> int:
     site: Any = fake.site()
     upstream = listenTLS(reactor, site, pki.serverOptions([*GITHUB_HOSTS, "codeload.github.com"]))
     fakePort = int(getattr(upstream.getHost(), "port"))  # noqa: B009 - IAddress has no port attribute
-    resolver = FixedResolver({h: [FAKE_GITHUB_ADDRESS] for h in (*GITHUB_HOSTS, "codeload.github.com")})
+    table = {h: [FAKE_GITHUB_ADDRESS] for h in (*GITHUB_HOSTS, "codeload.github.com")}
     dialer = MappedDialer(reactor)
     dialer.route(FAKE_GITHUB_ADDRESS, 443, fakePort)
+    for i, route in enumerate(args.route):
+        name, port = route.rsplit("=", 1)
+        address = f"198.51.100.{10 + i}"
+        table[name] = [address]
+        dialer.map(address, int(port))
+    resolver = FixedResolver(table)
 
     service = makeService(config, reactor, configPath=args.config, resolver=resolver, dialer=dialer,
                           upstreamTrust=pki.pem)

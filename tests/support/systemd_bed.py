@@ -50,13 +50,13 @@ BOOT_PACKAGES = ("systemd", "systemd-sysv", "dbus", "libpam-systemd", "dbus-user
 PACKAGES = (
     *BOOT_PACKAGES,
     "python3", "python3-cryptography", "python3-h11", "python3-openssl",
-    "python3-service-identity", "python3-twisted", "python3-zope.interface",
+    "python3-service-identity", "python3-tomlkit", "python3-twisted", "python3-zope.interface",
 )
 #: Downloaded into the tree's apt cache, not installed: what the package (or a test)
 #: may make apt install inside the offline bed.
 DOWNLOADED = ("ca-certificates",)
 #: Bumped when the way the tree is made changes.
-TREE_FORMAT = "1"
+TREE_FORMAT = "2"
 #: The bed's "kernel command line" (systemd reads its own argv in a container).
 SYSTEMD_ARGS = (
     "systemd.unified_cgroup_hierarchy=0",
