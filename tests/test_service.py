@@ -393,10 +393,8 @@ class CompositionTests(ServiceCase):
     def test_everyListenerOfTheHolderIsAChildsOwn(self) -> None:
         from agentsandbox.broker.server import BrokerService
         from agentsandbox.egress.injection import InjectionService
-        from agentsandbox.egress.proxy import ProxyService
+        from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
         from agentsandbox.service import RestartNotice
-
-        from agentsandbox.egress.proxy import EgressProxyFactory
 
         owners = [getattr(listener, "__self__", None) for listener in self.service.holder._listeners]
         children = list(self.service)
