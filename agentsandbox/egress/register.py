@@ -4,7 +4,7 @@ When the system dispatcher's registration socket exists, a user's service
 connects to it instead of binding the proxy port.  The dispatcher sends each
 connection whose client socket belongs to this user as a file descriptor
 (``SCM_RIGHTS``, one per ``{"op": "conn"}`` line, the connections of one of the
-dispatcher's readiness events in one message; the wire is ``dispatch.py``'s);
+dispatcher's readiness events in one message; the wire is ``dispatchwire.py``'s);
 each one is adopted into the same ``EgressProxyFactory`` a bound port would
 feed (as ``IReactorSocket.adoptStreamConnection`` would, without its ``dup``),
 so the front door runs its own same-user peer check on it exactly as on a
@@ -36,7 +36,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from agentsandbox.egress.dispatch import (
+from agentsandbox.egress.dispatchwire import (
     FDS_PER_MESSAGE,
     LineReader,
     WireError,
