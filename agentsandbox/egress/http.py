@@ -59,9 +59,9 @@ from agentsandbox.egress.http11 import (
     takeResponseHead,
 )
 from agentsandbox.egress.nodelay import noDelay
+from agentsandbox.egress.privates import writeNow
 from agentsandbox.egress.rules import parseAuthority as rulesAuthority
 from agentsandbox.egress.sessions import passwordOf
-from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Grant

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from twisted.python.failure import Failure
 
-from agentsandbox.egress.writenow import writeNow
+from agentsandbox.egress.privates import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Refusal
