@@ -58,8 +58,7 @@ from agentsandbox.egress.http11 import (
 )
 from agentsandbox.egress.proxy import EgressProxyFactory
 from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MemoryDialer
-from tests.support.egress_fixtures import domainsToml, makeConfig
-from tests.test_inject_differential import (
+from tests.support.differential import (
     EXAMPLES,
     HOST,
     HOST_BYTES,
@@ -80,6 +79,7 @@ from tests.test_inject_differential import (
     requestStream,
     responseStream,
 )
+from tests.support.egress_fixtures import domainsToml, makeConfig
 
 # ---------------------------------------------------------------------- http11 on its own
 
