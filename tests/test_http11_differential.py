@@ -451,6 +451,7 @@ def checkForwardResponse(method: bytes, stream: bytes, eof: bool, pieces: list[b
 # ---------------------------------------------------------------------- the properties
 
 
+@pytest.mark.slow
 def test_requestsHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -465,6 +466,7 @@ def test_requestsHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     assert tally["both accept"] > 500, "the generator should make mostly acceptable requests"
 
 
+@pytest.mark.slow
 def test_responsesHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -479,6 +481,7 @@ def test_responsesHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None
     assert tally["both accept"] > 300, "the generator should make mostly acceptable responses"
 
 
+@pytest.mark.slow
 def test_requestsTheForwardPathForwardsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -493,6 +496,7 @@ def test_requestsTheForwardPathForwardsAreH11s(capsys: pytest.CaptureFixture[str
     assert tally["both accept"] > 400, "the generator should make mostly acceptable requests"
 
 
+@pytest.mark.slow
 def test_responsesTheForwardPathRelaysAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 

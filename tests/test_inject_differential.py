@@ -113,6 +113,7 @@ def test_whatThisTestFoundStaysFixed() -> None:
             checkResponse(method, stream, eof, [stream], tally)
 
 
+@pytest.mark.slow
 def test_requestsTheInjectorForwardsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -127,6 +128,7 @@ def test_requestsTheInjectorForwardsAreH11s(capsys: pytest.CaptureFixture[str]) 
     assert tally["both accept"] > 500, "the generator should make mostly acceptable requests"
 
 
+@pytest.mark.slow
 def test_responsesTheInjectorForwardsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
