@@ -22,12 +22,12 @@ from tests.support.broker_support import pythonEnv
 #: the switch off there is no splice(2).
 _LEGS = [
     "tests/test_privates.py::test_this_run_has_the_switch_its_environment_says",
-    "tests/test_egress_nodelay.py::NoDelayTests::test_connectTunnelBothLegs",
-    "tests/test_egress_nodelay.py::NoDelayTests::test_socks5BothLegs",
-    "tests/test_egress_nodelay.py::NoDelayTests::test_forwardBothLegs",
-    "tests/test_egress_nodelay.py::NoDelayTests::test_terminatedClientAndPooledUpstream",
-    "tests/test_egress_nodelay.py::NoDelayTests::test_handedOverByTheDispatcher",
-    "tests/test_egress_dial.py",
+    "tests/test_nodelay.py::NoDelayTests::test_connectTunnelBothLegs",
+    "tests/test_nodelay.py::NoDelayTests::test_socks5BothLegs",
+    "tests/test_nodelay.py::NoDelayTests::test_forwardBothLegs",
+    "tests/test_nodelay.py::NoDelayTests::test_terminatedClientAndPooledUpstream",
+    "tests/test_nodelay.py::NoDelayTests::test_handedOverByTheDispatcher",
+    "tests/test_dial.py",
     "tests/test_egress_halfclose.py::HalfCloseTests::test_halfCloseAfterOneAbsoluteFormRequest",
     "tests/test_inject_proxy.py::ThroughTheProxy::test_curlConnect",
     "tests/test_inject_proxy.py::ThroughTheProxy::test_theTerminatedTunnelsRecordCountsBothWays",
