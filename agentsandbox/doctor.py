@@ -348,7 +348,7 @@ def checkSameUser(
 
 def askDispatcher(path: str) -> dict[str, Any]:
     """The dispatcher's status, plus ``answeredBy``: the uid of the socket's owner (SO_PEERCRED)."""
-    from agentsandbox.egress.dispatch import askStatus
+    from agentsandbox.egress.dispatchwire import askStatus
 
     return askStatus(path)
 
@@ -363,7 +363,7 @@ def checkDispatcher(
 ) -> Check:
     """Whether the service is bound directly or registered with a dispatcher, and
     whether that dispatcher is absent, unreachable, or serving the port for someone else."""
-    from agentsandbox.egress.dispatch import DispatchQueryError
+    from agentsandbox.egress.dispatchwire import DispatchQueryError
     from agentsandbox.packaged import machine
     from agentsandbox.paths import locateDispatchSocket
 

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any
 
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -38,6 +38,7 @@ from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.notify import DesktopNotifier
+from agentsandbox.oneshot import OneShotObserver
 from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket
 from agentsandbox.policy import Policy
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
@@ -169,9 +170,8 @@ class AgentSandbox(MultiService):
         dialer = dialer if dialer is not None else tcpDialer(reactor)
         #: Why the proxy could not listen (None while it listens or has not tried).
         self.startFailure: str | None = None
-        self._listeningPort: Any = None
-        self._listeningFailure: Failure | None = None
-        self._listeningWaiters: list[Deferred[Any]] = []
+        #: The proxy's listening port, or why it cannot listen: once per start.
+        self._listening: OneShotObserver[Any] = OneShotObserver()
 
         if watchConfig:
             # Reloads read the file with the service's environment (home, XDG
@@ -265,17 +265,15 @@ class AgentSandbox(MultiService):
         # A layout the sandbox cannot mount refuses to start, before any child does.
         Policy.fromConfig(self.holder.current, self.environ).mountPoints()
         self.startFailure = None
-        self._listeningPort = None
-        self._listeningFailure = None
+        if self._listening.fired:
+            # A restart listens again; callers waiting already keep waiting.
+            self._listening = OneShotObserver()
         super().startService()
         if self.proxy.listening is not None:
             self.proxy.listening.addCallbacks(self._listened, self._notListening)
 
     def _listened(self, port: Any) -> None:
-        self._listeningPort = port
-        waiters, self._listeningWaiters = self._listeningWaiters, []
-        for d in waiters:
-            d.callback(port)
+        self._listening.fire(port)
 
     def _notListening(self, failure: Failure) -> None:
         # Said here, once, whoever runs the service: under twistd nobody else
@@ -288,10 +286,7 @@ class AgentSandbox(MultiService):
             f"{self.holder.current.source})"
         )
         log.critical("{why}", why=self.startFailure)
-        self._listeningFailure = failure
-        waiters, self._listeningWaiters = self._listeningWaiters, []
-        for d in waiters:
-            d.errback(failure)
+        self._listening.fire(failure)
 
     @inlineCallbacks
     def stopService(self) -> Any:
@@ -303,13 +298,7 @@ class AgentSandbox(MultiService):
     @property
     def listening(self) -> Deferred[Any]:
         """A new Deferred per caller: the proxy's listening port, or why it cannot listen."""
-        if self._listeningPort is not None:
-            return succeed(self._listeningPort)
-        if self._listeningFailure is not None:
-            return fail(self._listeningFailure)
-        d: Deferred[Any] = Deferred()
-        self._listeningWaiters.append(d)
-        return d
+        return self._listening.whenFired()
 
     # ------------------------------------------------------------------ status
 

@@ -1,6 +1,7 @@
-"""The dispatcher for one user: its wire, its units, socket activation, lookup of its socket.
+"""The dispatcher for one user: its units, socket activation, lookup of its socket.
 
-The many-users behaviour (real users from ``useradd``) is in test_dispatch_users.py.
+The many-users behaviour (real users from ``useradd``) is in test_dispatch_users.py; the
+wire (``dispatchwire.py``) in test_dispatchwire.py.
 """
 
 from __future__ import annotations
@@ -18,41 +19,11 @@ from pathlib import Path
 import pytest
 
 from agentsandbox.config import ConfigError, loads
-from agentsandbox.egress.dispatch import MAX_LINE, LineReader, WireError, encode
 from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateDispatchSocket
 from harness.service_process import REPO, HelloServer, ServiceProcess
 from tests.support.broker_support import waitFor
 
 DATA = REPO / "agentsandbox" / "data"
-
-
-# --------------------------------------------------------------------------- the wire
-
-
-def test_line_reader_splits_and_buffers() -> None:
-    r = LineReader()
-    assert r.feed(b'{"op": "register"}\n{"op"') == [{"op": "register"}]
-    assert r.feed(b': "status", "uid": 0}\n') == [{"op": "status", "uid": 0}]
-    assert r.pending == 0
-
-
-@pytest.mark.parametrize(
-    ("data", "why"),
-    [
-        (b"\xff\xfe\n", "not JSON"),
-        (b"[1, 2]\n", "JSON object"),
-        (b'{"uid": 0}\n', "JSON object"),
-        (b"{" + b"x" * MAX_LINE + b"}", "longer than"),
-        (b"{" + b"x" * MAX_LINE + b"}\n", "longer than"),
-    ],
-)
-def test_line_reader_refuses_bad_input(data: bytes, why: str) -> None:
-    with pytest.raises(WireError, match=why):
-        LineReader().feed(data)
-
-
-def test_encode_is_one_line() -> None:
-    assert encode({"op": "conn"}) == b'{"op":"conn"}\n'
 
 
 # --------------------------------------------------------------------------- where a service looks

@@ -34,15 +34,13 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from agentsandbox.egress.dispatch import (
-    MAX_LINE,
     READ_SIZE,
     REFUSING_PER_UID,
     Client,
     DispatchService,
-    LineReader,
-    encode,
     makeService,
 )
+from agentsandbox.egress.dispatchwire import MAX_LINE, LineReader, encode
 from tests.support.broker_support import waitFor
 from tests.support.dispatch_world import DispatchWorld, UnixUser, systemUsers, usersAvailable
 from tests.support.egress_fixtures import deferredTest, sleep

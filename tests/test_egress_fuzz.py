@@ -147,6 +147,7 @@ def splits(data: bytes, cuts: list[int]) -> list[bytes]:
 FUZZ = settings(max_examples=10_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(HEADS, st.lists(st.integers(0, 4096), max_size=4))
 def test_requestHeads(loggedFailures: list[LogEvent], head: bytes, cuts: list[int]) -> None:
@@ -156,6 +157,7 @@ def test_requestHeads(loggedFailures: list[LogEvent], head: bytes, cuts: list[in
     assert not loggedFailures, loggedFailures
 
 
+@pytest.mark.slow
 @FUZZ
 @given(GREETINGS, st.lists(st.integers(0, 4096), max_size=4))
 def test_socksGreetings(loggedFailures: list[LogEvent], greeting: bytes, cuts: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Half-close: a client that half-closes right after its request still gets the answer; splice.shutWrite."""
+"""Half-close: a client that half-closes right after its request still gets the answer; privates.shutWrite."""
 
 import tempfile
 from typing import Any
@@ -9,7 +9,7 @@ from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
 from agentsandbox.egress.dial import tcpDialer
-from agentsandbox.egress.splice import shutWrite
+from agentsandbox.egress.privates import shutWrite
 from agentsandbox.egress.testing import FixedResolver
 from tests.support.egress_fixtures import (
     Collector,
@@ -50,7 +50,7 @@ class HalfCloseTests(TestCase):
 
 
 class ShutWriteTests(TestCase):
-    """splice.shutWrite: a half-close at once when nothing is buffered, Twisted's own otherwise."""
+    """privates.shutWrite: a half-close at once when nothing is buffered, Twisted's own otherwise."""
 
     async def pair(self) -> tuple[Any, Any]:
         """(our transport's protocol, the peer's Collector) over a real loopback connection."""

@@ -58,8 +58,7 @@ from agentsandbox.egress.http11 import (
 )
 from agentsandbox.egress.proxy import EgressProxyFactory
 from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MemoryDialer
-from tests.support.egress_fixtures import domainsToml, makeConfig
-from tests.test_inject_differential import (
+from tests.support.differential import (
     EXAMPLES,
     HOST,
     HOST_BYTES,
@@ -80,6 +79,7 @@ from tests.test_inject_differential import (
     requestStream,
     responseStream,
 )
+from tests.support.egress_fixtures import domainsToml, makeConfig
 
 # ---------------------------------------------------------------------- http11 on its own
 
@@ -451,6 +451,7 @@ def checkForwardResponse(method: bytes, stream: bytes, eof: bool, pieces: list[b
 # ---------------------------------------------------------------------- the properties
 
 
+@pytest.mark.slow
 def test_requestsHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -465,6 +466,7 @@ def test_requestsHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     assert tally["both accept"] > 500, "the generator should make mostly acceptable requests"
 
 
+@pytest.mark.slow
 def test_responsesHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -479,6 +481,7 @@ def test_responsesHttp11ReadsAreH11s(capsys: pytest.CaptureFixture[str]) -> None
     assert tally["both accept"] > 300, "the generator should make mostly acceptable responses"
 
 
+@pytest.mark.slow
 def test_requestsTheForwardPathForwardsAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 
@@ -493,6 +496,7 @@ def test_requestsTheForwardPathForwardsAreH11s(capsys: pytest.CaptureFixture[str
     assert tally["both accept"] > 400, "the generator should make mostly acceptable requests"
 
 
+@pytest.mark.slow
 def test_responsesTheForwardPathRelaysAreH11s(capsys: pytest.CaptureFixture[str]) -> None:
     tally: Counter[str] = Counter()
 

@@ -12,6 +12,7 @@ import os
 import resource
 from typing import Any
 
+import pytest
 from twisted.internet import defer, reactor
 from twisted.trial import unittest
 
@@ -261,6 +262,7 @@ class Headers(Base):
 
 
 class Streaming(Base):
+    @pytest.mark.slow
     @defer.inlineCallbacks
     def test_a200MBPushStreams(self) -> Any:
         path = os.path.join(self.h.dir, "push.bin")

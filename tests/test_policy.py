@@ -162,7 +162,15 @@ def test_nested_refuses_a_writable_child_of_a_readable_parent(user: User) -> Non
 
 
 def test_equal_read_and_write_is_not_nested(user: User) -> None:
-    user.config('[sandbox]\nread = ["~/work"]\nwrite = ["~/work"]\n')
+    # The same path in both lists is one writable mount, not a read-only parent over a child.
+    text = '[sandbox]\nread = ["~/work"]\nwrite = ["~/work"]\n'
+    config = user.config(text)
+    assert user.h("work") in config.sandbox.read
+    assert user.h("work") in config.sandbox.write
+    p = user.policy(text)
+    assert p.nestedError() is None
+    assert p.readable(user.h("work/file"), "/")
+    assert p.writable(user.h("work/file"), "/")
 
 
 def test_symlinked_list_entries_are_listed_at_their_target(user: User) -> None:

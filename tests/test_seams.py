@@ -54,8 +54,8 @@ reactor: Any = _reactor
 
 
 def implementations() -> Iterator[tuple[type[Interface], object]]:
-    from tests.test_egress_peer import RecordingPeers
     from tests.test_egress_proxy import FakeTerminator
+    from tests.test_peer import RecordingPeers
 
     yield IResolver, SystemResolver(reactor)
     yield IResolver, FixedResolver({})

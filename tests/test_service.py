@@ -393,16 +393,23 @@ class CompositionTests(ServiceCase):
     def test_everyListenerOfTheHolderIsAChildsOwn(self) -> None:
         from agentsandbox.broker.server import BrokerService
         from agentsandbox.egress.injection import InjectionService
-        from agentsandbox.egress.proxy import ProxyService
+        from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
         from agentsandbox.service import RestartNotice
 
         owners = [getattr(listener, "__self__", None) for listener in self.service.holder._listeners]
         children = list(self.service)
+        # The proxy's factory swaps its gate on every swap of the holder; it is the
+        # proxy child's own, and lives and dies with it.
+        proxies = [c for c in children if isinstance(c, ProxyService)]
+        owned = children + [p.factory for p in proxies]
         for owner in owners:
-            self.assertIn(owner, children)
+            self.assertIn(owner, owned)
         self.assertEqual(
             sorted(type(owner).__name__ for owner in owners),
-            sorted(c.__name__ for c in (BrokerService, InjectionService, ProxyService, RestartNotice)),
+            sorted(
+                c.__name__
+                for c in (BrokerService, InjectionService, ProxyService, RestartNotice, EgressProxyFactory)
+            ),
         )
         # The proxy's terminator is the injection service's injector, for the service's life.
         self.assertIs(self.service.proxyFactory.terminator, self.service.injection.injector)

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from twisted.internet import error, tcp
+from twisted.internet import error
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IStreamClientEndpoint
@@ -29,6 +29,8 @@ from zope.interface import implementer
 from agentsandbox.allowlist import IPAddress, unwrapMapped
 from agentsandbox.egress.grant import Refusal, RefusalError
 from agentsandbox.egress.interfaces import IDialer
+from agentsandbox.egress.privates import ENABLED as PRIVATES
+from agentsandbox.egress.privates import peerAddress, serveConnected
 from agentsandbox.egress.splice import UpstreamProtocol
 
 P = TypeVar("P", bound=Protocol)
@@ -55,6 +57,8 @@ class TCPDialer:
     def __init__(self, reactor: Any, timeout: float = 30.0) -> None:
         self.reactor = reactor
         self.timeout = timeout
+        #: Whether ``dial`` connects sockets itself (``_Connecting``) or asks ``connectTCP``.
+        self.connectsItself = PRIVATES and isinstance(reactor, PosixReactorBase)
 
     def __call__(self, ip: IPAddress, port: int) -> IStreamClientEndpoint:
         ip = unwrapMapped(ip)
@@ -74,10 +78,11 @@ class TCPDialer:
         or ``failed`` with the reason an endpoint would give."""
         protocol.onConnected = connected
         ip = unwrapMapped(ip)
-        if isinstance(self.reactor, PosixReactorBase):
+        if self.connectsItself:
             _Connecting.start(self.reactor, ip, port, protocol, failed, self.timeout)
             return
-        # (A reactor without sockets of its own, such as a test's MemoryReactor.)
+        # (A reactor without sockets of its own, such as a test's MemoryReactor,
+        # or the private fast paths switched off: ``privates.ENABLED``.)
         # connectTCP takes IPv6 literals too; the address is never resolved again.
         self.reactor.connectTCP(str(ip), port, _DirectDial(protocol, failed), timeout=self.timeout)
 
@@ -98,7 +103,7 @@ class _Connecting:
     reports the socket writable once the handshake ended, and ``SO_ERROR``
     says how, as in Twisted's own ``doConnect``.  The connected socket becomes
     the transport ``IReactorSocket.adoptStreamConnection`` would make of it
-    (``tcp.Server``, as ``register.py`` serves the dispatcher's sockets), which
+    (``privates.serveConnected``, as ``register.py`` serves the dispatcher's sockets), which
     the splice, the half-close and the reset handling already know.  Failures
     are Twisted's connect errors (``error.getConnectError``), so
     ``couldNotConnect`` says the same as before; one that ``connect`` reports at
@@ -166,16 +171,14 @@ class _Connecting:
 
     def _connected(self) -> None:
         try:
-            peer = tcp._getpeername(self.sock)
+            peer = peerAddress(self.sock)
         except OSError as e:  # reset between the handshake and now
             self.reactor.callLater(0, self._fail, error.getConnectError((e.errno, e.strerror)))
             return
         if self.timer is not None and self.timer.active():
             self.timer.cancel()
         self.failed = None
-        transport = tcp.Server(self.sock, self.protocol, peer, None, peer[1], self.reactor)  # type: ignore[arg-type]
-        transport.repstr = f"<{self.protocol.__class__.__name__} #{transport.sessionno} dialled>"
-        self.protocol.makeConnection(transport)
+        serveConnected(self.sock, self.protocol, peer, self.reactor, "dialled")
 
     def _fail(self, e: Exception) -> None:
         failed, self.failed = self.failed, None

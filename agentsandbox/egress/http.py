@@ -61,8 +61,8 @@ from agentsandbox.egress.http11 import (
 )
 from agentsandbox.egress.interfaces import IDoorHandler, IFrontDoor
 from agentsandbox.egress.nodelay import noDelay
+from agentsandbox.egress.privates import writeNow
 from agentsandbox.egress.sessions import passwordOf
-from agentsandbox.egress.writenow import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.gate import Verdict

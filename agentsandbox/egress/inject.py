@@ -106,6 +106,7 @@ from agentsandbox.egress.leakscan import LeakScanner, tokenForms
 from agentsandbox.egress.reqrules import METHOD_OVERRIDES, RequestPolicy
 from agentsandbox.egress.tls import InjectionCA, upstreamContext, verifyUpstream
 from agentsandbox.egress.tlsstream import TLSHandshakeError, TLSStream
+from agentsandbox.oneshot import OneShotObserver
 
 log = Logger(namespace="agentsandbox.egress.inject")
 
@@ -1081,15 +1082,11 @@ class _Upstream(Protocol):
         self._lost = False
         self._idleTimer: IDelayedCall | None = None
         self._handshakeTimer: IDelayedCall | None = None
-        self._lostWaiters: list[defer.Deferred[None]] = []
+        self._lostObserver: OneShotObserver[None] = OneShotObserver()
         self.pauser = _Pauser(lambda: self._reads.pause(_BY_PEER), lambda: self._reads.resume(_BY_PEER))
 
     def whenLost(self) -> defer.Deferred[None]:
-        if self._lost:
-            return defer.succeed(None)
-        d: defer.Deferred[None] = defer.Deferred()
-        self._lostWaiters.append(d)
-        return d
+        return self._lostObserver.whenFired()
 
     def connectionMade(self) -> None:
         self._connected = True
@@ -1181,9 +1178,7 @@ class _Upstream(Protocol):
             if ended:
                 tunnel.fromUpstream(ended)
             tunnel.upstreamLost(self._lostWhy or _lostWhy(reason))
-        waiters, self._lostWaiters = self._lostWaiters, []
-        for d in waiters:
-            d.callback(None)
+        self._lostObserver.fire(None)
 
 
 def _encoded(started: Started) -> bool:

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from twisted.application.service import Service
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import (
     HostnameEndpoint,
@@ -41,6 +42,7 @@ from twisted.internet.interfaces import (
     IListeningPort,
     IProtocol,
     IReactorTime,
+    IStreamServerEndpoint,
 )
 from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
@@ -66,6 +68,7 @@ from agentsandbox.egress.interfaces import (
 )
 from agentsandbox.egress.nodelay import noDelay
 from agentsandbox.egress.peer import SameUserPeers
+from agentsandbox.egress.register import DispatchRegistration
 from agentsandbox.egress.resolve import ResolveError, SystemResolver
 from agentsandbox.egress.sessions import SessionRegistry
 from agentsandbox.egress.socks import SocksHandler
@@ -763,11 +766,41 @@ def hostPort(address: Any) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class ProxyService(Service):
+@implementer(IStreamServerEndpoint)
+class _Announcing:
+    """An endpoint that tells ``ProxyService`` its port, or why there is none.
+
+    ``StreamServerEndpointService`` keeps the listen Deferred to itself (and
+    logs a failure as a traceback); through this the service's ``listening``
+    carries the port or the failure, said once by whoever runs the service.
+    """
+
+    def __init__(self, endpoint: IStreamServerEndpoint, listened: Callable[[IListeningPort], None], failed: Callable[[Failure], None]) -> None:
+        self.endpoint = endpoint
+        self.listened = listened
+        self.failed = failed
+
+    def listen(self, factory: Any) -> Deferred[Any]:
+        def listened(port: IListeningPort) -> IListeningPort:
+            self.listened(port)
+            return port
+
+        def failed(failure: Failure) -> None:
+            # Handled here: the service's ``listening`` carries it.
+            self.failed(failure)
+
+        d: Deferred[Any] = self.endpoint.listen(factory)
+        return d.addCallbacks(listened, failed)
+
+
+class ProxyService(MultiService):
     """Listens on ``proxy.listen`` (default ``tcp:PORT:interface=127.0.0.1``) with the factory,
     or, when the system dispatcher's registration socket ``dispatchSocket`` exists
     (and ``proxy.listen`` is not set), registers there and serves the connections
-    it hands over (``register.py``) instead of binding the port."""
+    it hands over (``register.py``) instead of binding the port.
+
+    Which one is decided at each start, and is this service's one child: a
+    ``StreamServerEndpointService`` or a ``DispatchRegistration``."""
 
     log = Logger(namespace="agentsandbox.egress")
 
@@ -778,6 +811,7 @@ class ProxyService(Service):
         dispatchSocket: str | None = None,
         awaitDispatcher: str | None = None,
     ) -> None:
+        super().__init__()
         self.factory = factory
         self.endpoint = endpoint
         self.dispatchSocket = dispatchSocket
@@ -788,9 +822,11 @@ class ProxyService(Service):
         self.awaitDispatcher = awaitDispatcher
         self.port: IListeningPort | None = None
         #: The registration with the dispatcher, when the service uses one.
-        self.registration: Any = None
+        self.registration: DispatchRegistration | None = None
         #: Fires with the listening port, or the registration once first registered.
         self.listening: Deferred[Any] | None = None
+        #: This start's child: the listening service or the registration.
+        self._connections: Service | None = None
 
     def _configChanged(self, old: Config, new: Config) -> None:
         if self.endpoint is None and old.proxy.endpoint != new.proxy.endpoint:
@@ -810,22 +846,31 @@ class ProxyService(Service):
             return False
         return os.path.exists(path) or self.awaitDispatcher is not None
 
-    def startService(self) -> None:
-        super().startService()
-        self.factory.holder.subscribe(self._configChanged)
-        if self.usesDispatcher():
-            self._register()
-            return
-        description = self.endpoint or self.factory.holder.current.proxy.endpoint
-        ep = serverFromString(self.factory.reactor, description)
-        d = ep.listen(self.factory)
+    def privilegedStartService(self) -> None:
+        # Nothing binds before startService: the service checks its layout
+        # first (``AgentSandbox.startService``), and the child is chosen there.
+        Service.privilegedStartService(self)
 
-        def listening(port: IListeningPort) -> IListeningPort:
+    def startService(self) -> None:
+        if self._connections is not None:
+            # The last start's child; this start decides again.
+            self.removeService(self._connections)
+        self.listening = Deferred()
+        self._connections = self._registration(self.listening) if self.usesDispatcher() else self._listener(self.listening)
+        self.addService(self._connections)
+        self.factory.holder.subscribe(self._configChanged)
+        super().startService()
+
+    def _listener(self, first: Deferred[Any]) -> Service:
+        description = self.endpoint or self.factory.holder.current.proxy.endpoint
+
+        def listened(port: IListeningPort) -> None:
             self.port = port
             self.log.info("egress proxy listening on {where}", where=self.address)
-            return port
+            first.callback(port)
 
-        self.listening = d.addCallback(listening)
+        endpoint = _Announcing(serverFromString(self.factory.reactor, description), listened, first.errback)
+        return StreamServerEndpointService(endpoint, self.factory)
 
     @property
     def address(self) -> str | None:
@@ -834,12 +879,8 @@ class ProxyService(Service):
             return None
         return hostPort(self.port.getHost())
 
-    def _register(self) -> None:
-        from agentsandbox.egress.register import DispatchRegistration
-
+    def _registration(self, first: Deferred[Any]) -> Service:
         assert self.dispatchSocket is not None
-        first: Deferred[Any] = Deferred()
-        self.listening = first
 
         def registered(registration: Any) -> None:
             if not first.called:
@@ -856,9 +897,10 @@ class ProxyService(Service):
                 "registers when it starts (it serves nothing meanwhile)",
                 path=self.dispatchSocket, why=self.awaitDispatcher,
             )  # fmt: skip
-        # No port starts the factory here (its sweeper of stale half-read connections).
+        # No port starts the factory here (its sweeper of stale half-read
+        # connections): it runs while the registration does.
         self.factory.doStart()
-        self.registration.startService()
+        return self.registration
 
     def figures(self) -> dict[str, Any]:
         """How the proxy gets its connections, for ``status``."""
@@ -866,15 +908,13 @@ class ProxyService(Service):
             return {"mode": "dispatcher", "listening": None, "dispatcher": self.registration.figures()}
         return {"mode": "direct", "listening": self.address}
 
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
+    def stopService(self) -> Deferred[Any]:
         self.factory.holder.unsubscribe(self._configChanged)
         self.factory.closeAll()
-        if self.registration is not None:
-            registration, self.registration = self.registration, None
-            registration.stopService()
+        stopped: Deferred[Any] = super().stopService()
+        registration, self.registration = self.registration, None
+        self.port = None
+        if registration is not None:
+            # Its child stopped synchronously; the connections it brought are closed.
             self.factory.doStop()
-        if self.port is not None:
-            port, self.port = self.port, None
-            return port.stopListening()
-        return None
+        return stopped

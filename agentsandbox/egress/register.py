@@ -4,7 +4,7 @@ When the system dispatcher's registration socket exists, a user's service
 connects to it instead of binding the proxy port.  The dispatcher sends each
 connection whose client socket belongs to this user as a file descriptor
 (``SCM_RIGHTS``, one per ``{"op": "conn"}`` line, the connections of one of the
-dispatcher's readiness events in one message; the wire is ``dispatch.py``'s);
+dispatcher's readiness events in one message; the wire is ``dispatchwire.py``'s);
 each one is adopted into the same ``EgressProxyFactory`` a bound port would
 feed (as ``IReactorSocket.adoptStreamConnection`` would, without its ``dup``),
 so the front door runs its own same-user peer check on it exactly as on a
@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet import tcp
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IFileDescriptorReceiver
 from twisted.internet.protocol import ClientFactory, Protocol
@@ -36,13 +35,15 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from agentsandbox.egress.dispatch import (
+from agentsandbox.egress.dispatchwire import (
     FDS_PER_MESSAGE,
     LineReader,
     WireError,
     encode,
     peerCredentials,
 )
+from agentsandbox.egress.privates import ENABLED as PRIVATES
+from agentsandbox.egress.privates import peerAddress, serveConnected
 
 log = Logger(namespace="agentsandbox.egress")
 
@@ -307,19 +308,19 @@ def _serveAdopted(sock: socket.socket, factory: Any, reactor: Any) -> None:
 
     That call duplicates the descriptor and wraps the copy, so each adopted
     connection would cost a ``dup``, a second socket object and a ``close``
-    of ours; this is the same construction (Twisted's
-    ``tcp.Server._fromConnectedSocket``, unchanged from 22.4 to now) on the
-    socket we already hold.
+    of ours; ``privates.serveConnected`` is the same construction on the
+    socket we already hold.  With the private fast paths off it is that call.
     """
+    if not PRIVATES:
+        try:
+            reactor.adoptStreamConnection(sock.fileno(), sock.family, factory)
+        finally:
+            sock.close()
+        return
     addressType = IPv6Address if sock.family == socket.AF_INET6 else IPv4Address
-    # Twisted's form of the address (an IPv6 one keeps its scope).
-    peer = tcp._getpeername(sock)
+    peer = peerAddress(sock)
     protocol = factory.buildProtocol(addressType("TCP", *peer))
     if protocol is None:
         sock.close()
         return
-    # Server's own __init__ makes it non-blocking, as it does an accepted socket.
-    # No Port: Twisted's own adoption passes none either.
-    transport = tcp.Server(sock, protocol, peer, None, peer[1], reactor)  # type: ignore[arg-type]
-    transport.repstr = f"<{protocol.__class__.__name__} #{transport.sessionno} adopted from the dispatcher>"
-    protocol.makeConnection(transport)
+    serveConnected(sock, protocol, peer, reactor, "adopted from the dispatcher")

@@ -15,7 +15,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import IDoorHandler, IFrontDoor
-from agentsandbox.egress.writenow import writeNow
+from agentsandbox.egress.privates import writeNow
 
 if TYPE_CHECKING:
     from agentsandbox.egress.grant import Refusal

@@ -9,7 +9,7 @@ fails.  An upstream reset is passed to the client as a reset (abort), so a
 truncated transfer never looks complete.
 
 The per-chunk Python work is a length count for the audit and one write,
-sent at once when nothing is queued before it (``writenow.py``).
+sent at once when nothing is queued before it (``privates.writeNow``).
 
 Once a plain tunnel is established, ``ZeroCopy`` may take both sockets out of
 Twisted's copy loop and move bytes with ``splice(2)`` through a pipe per
@@ -39,7 +39,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from agentsandbox.egress.nodelay import noDelay
-from agentsandbox.egress.writenow import writeNow
+from agentsandbox.egress.privates import ENABLED as PRIVATES
+from agentsandbox.egress.privates import clearOutput, shutWrite, takeOutput, writeNow, writeOpen
 
 #: Called once when a tunnel ends: (tunnel, why) where why is None for a clean end.
 OnClose = Callable[["Tunnel", "str | None"], None]
@@ -234,40 +235,6 @@ class Tunnel:
         return self._closed
 
 
-def shutWrite(transport: Any) -> None:
-    """``transport.loseWriteConnection()``, at once when nothing waits to be written.
-
-    Twisted half-closes from its next ``doWrite``: a reactor turn, two epoll
-    changes and a zero-byte send before the ``shutdown(SHUT_WR)``, for every
-    tunnel whose client ends its side first.  With an empty write buffer this
-    does what that branch of ``doWrite`` does, now; the transport's state says
-    write-disconnected as before, so a later ``loseConnection`` closes at once
-    (Twisted's own path after a half-close).  Anything other than a plain
-    Twisted TCP transport with an empty buffer gets ``loseWriteConnection``.
-    """
-    try:
-        idle = (
-            type(transport).__module__ == "twisted.internet.tcp"
-            and not getattr(transport, "TLS", False)
-            and transport.connected
-            and not transport.disconnecting
-            and not transport._writeDisconnecting
-            and not transport._writeDisconnected
-            and len(transport.dataBuffer) == transport.offset
-            and not transport._tempDataLen
-            and callable(transport._closeWriteConnection)
-        )
-    except AttributeError:
-        idle = False
-    if not idle:
-        transport.loseWriteConnection()
-        return
-    transport.stopWriting()
-    transport._writeDisconnecting = True
-    transport._writeDisconnected = True
-    transport._closeWriteConnection()
-
-
 def _why(reason: Failure, side: str) -> str:
     return f"{side} connection ended: {reason.getErrorMessage()}"
 
@@ -281,24 +248,9 @@ _RESET = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.EHOSTUNREACH, er
 
 
 def zeroCopyAvailable() -> bool:
-    return sys.platform.startswith("linux") and hasattr(os, "splice")
-
-
-def _pendingOutput(transport: Any) -> bytes | None:
-    """What Twisted has buffered to write on ``transport``; None if its buffers look unfamiliar."""
-    try:
-        head = bytes(transport.dataBuffer[transport.offset :])
-        tail = b"".join(transport._tempDataBuffer)
-    except (AttributeError, TypeError):
-        return None
-    return head + tail
-
-
-def _clearOutput(transport: Any) -> None:
-    transport.dataBuffer = b""
-    transport.offset = 0
-    transport._tempDataBuffer = []
-    transport._tempDataLen = 0
+    """Whether tunnels may move to splice(2): Linux, Python 3.10+, and the hand-over
+    may take Twisted's buffers (``privates.ENABLED``)."""
+    return PRIVATES and sys.platform.startswith("linux") and hasattr(os, "splice")
 
 
 class _Direction:
@@ -510,10 +462,10 @@ def zeroCopy(tunnel: Tunnel, reactor: Any) -> bool:
     for t in (client, upstream):
         if type(t).__module__ != "twisted.internet.tcp" or getattr(t, "disconnecting", True):
             return False
-        if getattr(t, "_writeDisconnecting", False) or getattr(t, "_writeDisconnected", False):
+        if not writeOpen(t):
             return False
-    clientPending = _pendingOutput(client)
-    upstreamPending = _pendingOutput(upstream)
+    clientPending = takeOutput(client)
+    upstreamPending = takeOutput(upstream)
     if clientPending is None or upstreamPending is None:
         return False
     try:
@@ -524,7 +476,7 @@ def zeroCopy(tunnel: Tunnel, reactor: Any) -> bool:
         t.unregisterProducer()
         t.stopReading()
         t.stopWriting()
-        _clearOutput(t)
+        clearOutput(t)
     tunnel.engine = engine
     engine.start()
     return True

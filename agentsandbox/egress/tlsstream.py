@@ -34,8 +34,8 @@ What ``TLSStream`` is, and what it deliberately is not:
   it with ``ConnectionLost``: the data may be cut short (a close-delimited
   HTTP body is then not complete), and the wrapped protocol can tell.
 
-What it owns besides: ``WriteThrough`` (ciphertext goes out through it, sent at
-once when nothing is queued before it) and the byte counts of the connection
+What it owns besides: its transport below, wrapped in ``privates.WriteThrough``
+(ciphertext sent at once when nothing is queued before it) and the byte counts of the connection
 below (``received``, ``sent``; ``interfaces.ICountedTunnel``), which the
 proxy's audit record of a terminated tunnel reads.
 """
@@ -46,7 +46,6 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.abstract import FileDescriptor
 from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import (
     IConsumer,
@@ -57,55 +56,15 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
-from zope.interface import directlyProvides, implementer, providedBy
+from zope.interface import implementer
 
 from agentsandbox.egress.interfaces import ICountedTunnel
 from agentsandbox.egress.nodelay import noDelay
-from agentsandbox.egress.writenow import writeNow
+from agentsandbox.egress.privates import writeThrough
 
 #: Plaintext taken from OpenSSL per read: a TLS record holds at most 16 KiB,
 #: so one read usually empties one record.
 READ_SIZE = 65536
-
-
-# ---------------------------------------------------------------------- write-through
-
-#: What a FileDescriptor transport must have for ``WriteThrough`` to send
-#: directly; both Twisted 22.4 and 26 have all of them.
-_FD_ATTRIBUTES = ("writeSomeData", "dataBuffer", "offset", "_tempDataBuffer", "connected", "disconnecting")
-
-
-class WriteThrough:
-    """A transport that sends a write at once when nothing is queued before it.
-
-    Twisted's socket transports queue every write for the next reactor
-    iteration: two ``epoll_ctl`` calls and one more dispatch per write, which
-    is a third of the terminating path's cost per request.  Sending at once is
-    safe only when the transport has nothing buffered (order) and is still
-    open; otherwise, and for whatever the socket did not take, the transport's
-    own ``write`` queues as usual, so back-pressure and close work unchanged.
-    Everything but ``write``/``writeSequence`` is the wrapped transport's.
-    """
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        directlyProvides(self, *providedBy(transport))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-    def write(self, data: bytes) -> None:
-        writeNow(self._transport, data)
-
-    def writeSequence(self, data: Any) -> None:
-        self.write(b"".join(data))
-
-
-def writeThrough(transport: Any) -> Any:
-    """``transport`` wrapped in ``WriteThrough`` when it is a socket transport that allows it."""
-    if isinstance(transport, FileDescriptor) and all(hasattr(transport, a) for a in _FD_ATTRIBUTES):
-        return WriteThrough(transport)
-    return transport
 
 
 class TLSHandshakeError(Exception):

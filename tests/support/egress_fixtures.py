@@ -166,7 +166,7 @@ class ProxyHarness:
         """A Deferred, not a coroutine: trial 22.4's addCleanup waits only for Deferreds."""
 
         async def stopping() -> None:
-            await self.service.stopService()  # type: ignore[misc]
+            await self.service.stopService()
             if self.audit is not None:
                 self.audit.close()
 
