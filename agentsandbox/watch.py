@@ -484,6 +484,9 @@ class Watcher:
             self._stream.close()
         self._stream = None
         self.state.connected = False
+        # A stopping service refuses what it held: nothing waits any more.
+        self.state.held = []
+        self.state.prompt = None
 
     def _read(self) -> None:
         assert self._stream is not None

@@ -249,10 +249,12 @@ def test_when_the_service_stops_the_view_says_so_and_follows_it_again(
     world: tuple[FakeRegistry, FakeControlServer, Tmux, str],
 ) -> None:
     registry, server, term, _ = world
+    registry.hold("old.example.org")
     _watch(term, server.path, "sleep 600")
-    term.waitFor(lambda s: "WAITING: nothing" in s)
+    term.waitFor(lambda s: "old.example.org:443" in s)
     server.stop()
-    term.waitFor(lambda s: "the service is not running; waiting for it" in s)
+    term.waitFor(lambda s: "the service is not running; waiting for it" in s and "old.example.org" not in s)
+    registry.held.clear()
     again = FakeControlServer(registry, server.path).start()
     try:
         registry.hold("example.org")
