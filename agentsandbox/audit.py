@@ -30,12 +30,12 @@ from twisted.logger import Logger
 #: ``withheld``: a terminated response that carried the token, cut.
 #: ``held``/``decided``/``timedout``: a request for an unlisted host held for the
 #: person's answer, answered (``by`` whom, ``verdict``, ``scope``, ``seconds``),
-#: or not answered in time; ``control``: a refused approvals control request;
+#: or not answered in time; ``withdrawn``: its client went away first; ``control``: a refused approvals control request;
 #: ``observed``: under ``proxy.unlisted = "observe"``, an unlisted host let through
 #: that would have been refused (``reason`` says why, ``allow`` the entry that lists it).
 EVENTS = (
     "tunnel", "forward", "refused", "peer", "parse", "failed", "withheld", "held", "decided", "timedout", "control",
-    "observed",
+    "observed", "withdrawn",
 )  # fmt: skip
 #: The only fields a record may hold.
 FIELDS = (
@@ -213,6 +213,8 @@ def _journalLine(rec: dict[str, Any]) -> str:
         return f"approvals: {rec.get('verdict', '')} {scope} {target} (request {rec.get('id', '')}) by {rec.get('by', '')}"
     if ev == "timedout":
         return f"approvals: nobody answered for {target} (request {rec.get('id', '')}): {rec.get('reason', '')}"
+    if ev == "withdrawn":
+        return f"approvals: {kind} {target} from {client} went away before an answer (request {rec.get('id', '')})"
     if ev == "observed":
         return f"egress: OBSERVED {kind} {target} from {client}: would refuse: {rec.get('reason', '')}"
     if ev == "control":

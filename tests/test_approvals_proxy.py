@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
+import struct
 import sys
 import tempfile
 from typing import Any
 
+from twisted.internet import threads
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.utils import getProcessOutputAndValue
@@ -251,6 +254,31 @@ class AskingTests(TestCase):
         self.assertIn(b"1 requests already wait for the person's answer, the most proxy.max_held allows", body)
         self.clock.advance(45)
         await first
+
+    @deferredTest
+    async def test_a_client_that_resets_while_held_withdraws_its_request_and_a_fin_alone_does_not(self) -> None:
+        # A FIN alone is what a client that half-closes after its request and waits
+        # for the answer sends, and what a killed curl sends: the two cannot be told
+        # apart, so the request stays held (docs/approvals.md).  A reset is a client gone.
+        await self._world()
+        clients = []
+        for _ in range(2):
+            client = socket.create_connection(("127.0.0.1", self.harness.port))
+            self.addCleanup(client.close)
+            client.sendall(b"CONNECT app.example.org:443 HTTP/1.1\r\nHost: app.example.org:443\r\n\r\n")
+            clients.append(client)
+        await self.held(2)
+        halfClosed, reset = clients
+        halfClosed.shutdown(socket.SHUT_WR)
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()
+        await self.held(1)
+        self.assertEqual([r["host"] for r in self.records("withdrawn")], ["app.example.org"])
+        self.assertEqual(len(self.records("held")), 2)
+        self.clock.advance(45)
+        halfClosed.settimeout(30)
+        answer = await threads.deferToThread(halfClosed.recv, 65536)
+        self.assertIn(b"nobody answered within proxy.ask_timeout", answer)
 
     @deferredTest
     async def test_an_answer_from_under_an_agent_or_a_sandbox_is_refused_and_recorded(self) -> None:

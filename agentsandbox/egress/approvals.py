@@ -207,6 +207,8 @@ class ApprovalRegistry:
             return
         if held.timer is not None and held.timer.active():
             held.timer.cancel()
+        # The held record gets its end: nobody answered, nobody needs to.
+        self._audit("withdrawn", held.request, reason="the client went away before the person answered")
         self._tell(withdrawnEvent(held.request))
 
     def _timedOut(self, id: str, timeout: float) -> None:
