@@ -20,9 +20,9 @@ from twisted.trial import unittest
 from agentsandbox.egress.http11 import MAX_HEAD
 from tests.support.differential import oursOnRequests
 from tests.support.egress_fixtures import Collector, ProxyHarness, reactor
-from tests.test_egress_proxy import foreignStarts
 from tests.test_inject import SMUGGLING
 from tests.test_inject_framing import Close, ScriptedFactory, _dechunk
+from tests.test_proxy import foreignStarts
 
 
 def _status(raw: bytes) -> int:

@@ -54,8 +54,8 @@ reactor: Any = _reactor
 
 
 def implementations() -> Iterator[tuple[type[Interface], object]]:
-    from tests.test_egress_proxy import FakeTerminator
     from tests.test_peer import RecordingPeers
+    from tests.test_proxy import FakeTerminator
 
     yield IResolver, SystemResolver(reactor)
     yield IResolver, FixedResolver({})
@@ -197,7 +197,7 @@ def _timeoutTests() -> Iterator[tuple[str, set[str]]]:
 def test_no_test_of_a_timeout_waits_on_the_wall_clock() -> None:
     found = dict(_timeoutTests())
     # The finder finds the timeout tests it is meant for.
-    assert {"test_egress_proxy.py::test_headerTimeout", "test_egress_proxy.py::test_idleTimeoutClosesTunnel", "test_reload.py::test_eventsCoalesce"} <= set(found)
+    assert {"test_proxy.py::test_headerTimeout", "test_proxy.py::test_idleTimeoutClosesTunnel", "test_reload.py::test_eventsCoalesce"} <= set(found)
     waiting = {name: sorted(calls & _WAITS) for name, calls in found.items() if calls & _WAITS}
     assert waiting == {}, f"timeout tests that sleep or poll: {waiting}"
     unclocked = sorted(name for name, calls in found.items() if not calls & _MOVES)

@@ -26,7 +26,7 @@ from tests.support.egress_fixtures import (
     listen,
     makeConfig,
 )
-from tests.test_egress_rules import NAME, SSRF
+from tests.test_rules import NAME, SSRF
 
 
 def gate(domains: list[str], **proxy: object) -> Gate:
