@@ -9,6 +9,7 @@
   git,
   gnupg,
   openssh,
+  tmux,
   util-linux,
 }:
 let

@@ -9,7 +9,10 @@ Bash tool calls while the person, this test, answers through the real
    carries the proxy's words;
 3. ``agentsandbox approve`` from inside Claude Code's Bash is refused;
 4. ``agentsandbox approve`` from a process Claude Code starts outside its sandbox
-   (a PreToolUse hook of the user's own settings) is refused and recorded.
+   (a PreToolUse hook of the user's own settings) is refused and recorded;
+5. ``approve --always`` for a held command writes the user's file (its comments
+   kept), and a new session reaches the host without being asked; a command
+   nobody answers for gets the timeout's words.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ from tests.test_service_e2e import BRIDGES_UP, TOKEN, TOKEN_ENV
 HOST = "app.example.org"
 #: A host the person answers --always for.
 ALWAYS = "docs.example.org"
+#: Hosts a Claude Code session's person answers --always for, one a release.
+WIKI = {label: f"wiki-{label}.example.org" for label in ("pinned", "latest")}
+#: A host nobody answers for.
+SILENT = "silent.example.org"
 SESSION_TIMEOUT = 150.0
 #: A bound on how long the person waits for Claude Code's command to be held.
 HOLD_WAIT = 90.0
@@ -102,7 +109,7 @@ def stack() -> Iterator[Stack]:
         serviceEnv = world.agentsandboxEnv()
         serviceEnv.update(XDG_RUNTIME_DIR=str(runtime), **{TOKEN_ENV: TOKEN})
         service = ServiceProcess(world.config, serviceEnv, base / "service", base / "fake-git",
-                                 routes={HOST: site.port, ALWAYS: site.port}).start()
+                                 routes={HOST: site.port, ALWAYS: site.port, **{w: site.port for w in WIKI.values()}}).start()
         yield Stack(world, runtime, site, service)
     finally:
         if service is not None:
@@ -247,3 +254,61 @@ def test_always_is_written_followed_by_the_watcher_and_outlives_a_restart(stack:
     )
     assert got.stdout == f"{LocalSite.BODY}: /always\n", got
     assert not [r for r in stack.audit() if r["event"] == "held" and r["host"] == ALWAYS]
+
+
+def _waitForReload(stack: Stack, before: int) -> None:
+    log = stack.service.logPath
+    deadline = time.monotonic() + 30
+    while log.read_text().count("config reloaded") == before:  # the watcher follows the file
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+@pytest.mark.claude
+@pytest.mark.parametrize("label", ["pinned", "latest"])
+def test_always_reaches_a_new_session_without_asking_and_silence_times_out(stack: Stack, label: str) -> None:
+    path = installedBinaries()[label].require()
+    requireSomeBinary()
+    world, host = stack.world, WIKI[label]
+    reloads = stack.service.logPath.read_text().count("config reloaded")
+    person = Person(stack, [("approve", "--always")])
+    with ManagedSettingsGuard(), tempLeftoversRemoved():
+        installed = subprocess.run([str(world.launcher), "install", "--managed-dir", str(MANAGED_ROOT)],
+                                   env=stack.userEnv(), capture_output=True, text=True, timeout=60,
+                                   stdin=subprocess.DEVNULL)
+        assert installed.returncode == 0, installed.stderr
+        # 1. a session's command is held; the person answers --always.
+        with mockAPI() as api:
+            person.start()
+            first = runClaude(path, [ToolCall("Bash", {"command": f"{BRIDGES_UP}curl -sS http://{host}/first"})],
+                              cwd=world.project, env=_claudeEnv(stack, api), api=api, timeout=SESSION_TIMEOUT)
+            person.join(HOLD_WAIT)
+        assert not person.problems and [d.returncode for d in person.done] == [0], (person.problems, person.done)
+        assert f"{LocalSite.BODY}: /first" in first.outcomes[0].text, first.describe()
+        written = world.config.read_text()
+        assert f'"{host}"' in written and "# The person's notes: an --always answer keeps them." in written, written
+        assert "# what the agent reaches" in written, written
+        _waitForReload(stack, reloads)
+        # 2. a new session reaches it, and nobody is asked.
+        heldBefore = [r for r in stack.audit() if r["event"] == "held" and r["host"] == host]
+        with mockAPI() as api:
+            second = runClaude(path, [ToolCall("Bash", {"command": f"{BRIDGES_UP}curl -sS http://{host}/second"})],
+                               cwd=world.project, env=_claudeEnv(stack, api), api=api, timeout=SESSION_TIMEOUT)
+        assert f"{LocalSite.BODY}: /second" in second.outcomes[0].text, second.describe()
+        assert [r for r in stack.audit() if r["event"] == "held" and r["host"] == host] == heldBefore
+        # 3. nobody answers: the tool result carries the timeout's words.
+        original = world.config.read_text()
+        reloads = stack.service.logPath.read_text().count("config reloaded")
+        world.config.write_text(original.replace("ask_timeout = 60", "ask_timeout = 2"))
+        try:
+            _waitForReload(stack, reloads)
+            with mockAPI() as api:
+                silent = runClaude(path, [ToolCall("Bash", {"command": f"{BRIDGES_UP}curl -sS -i http://{SILENT}/"})],
+                                   cwd=world.project, env=_claudeEnv(stack, api), api=api, timeout=SESSION_TIMEOUT)
+            text = silent.outcomes[0].text
+            assert "403 Forbidden" in text, silent.describe()
+            assert f"{SILENT}:80" in text and "nobody answered within proxy.ask_timeout (2s)" in text, text
+        finally:
+            reloads = stack.service.logPath.read_text().count("config reloaded")
+            world.config.write_text(original)
+            _waitForReload(stack, reloads)
