@@ -702,7 +702,7 @@ def test_hm_asserts_the_loaders_own_words(what: str, settings: dict[str, Any]) -
 
 def test_hm_leaves_the_port_to_the_machine(tmp_path: Path) -> None:
     """A user's file names no proxy.port unless they set one: under a machine config it is the machine's alone."""
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
 
     user = hm({"settings": {"sandbox": {"write": ["~/src"]}}})["configFile"]["agentsandbox/config.toml"]
     value = user["source"]["env"]["generated"]["value"]
