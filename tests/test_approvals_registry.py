@@ -233,7 +233,7 @@ def test_the_journal_and_log_say_each_approvals_record(tmp_path: Path, capsys: p
 
 
 def test_the_starter_config_explains_ask(user: User) -> None:
-    from agentsandbox.config import loads
+    from agentsandbox.loader import loads
     from agentsandbox.paths import Paths
     from agentsandbox.setup import starterConfig
 

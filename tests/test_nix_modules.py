@@ -42,7 +42,8 @@ from typing import Any
 
 import pytest
 
-from agentsandbox.config import ConfigError, loads
+from agentsandbox.config import ConfigError
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 
 REPO = Path(__file__).resolve().parent.parent
