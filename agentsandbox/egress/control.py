@@ -50,6 +50,7 @@ class ControlProtocol(LineOnlyReceiver):
     def connectionMade(self) -> None:
         self.following = False
         self.done = False
+        self.factory.open.add(self)
         try:
             self.pid, self.uid, _ = peerCredentials(self.transport.getHandle())
         except (OSError, AttributeError):
@@ -133,6 +134,7 @@ class ControlProtocol(LineOnlyReceiver):
         self._send(event)
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self.factory.open.discard(self)
         if self.following:
             self.factory.registry.unsubscribe(self._event)
 
@@ -156,6 +158,9 @@ class ControlFactory(Factory):
             session = reference if reference is not None else sessionNamespaces()
             whyNot = lambda pid: whyNotThePerson(pid, session)  # noqa: E731
         self.whyNot = whyNot
+        #: The connections open now: a stopping service closes them (a ``follow``
+        #: stays open for as long as its client watches).
+        self.open: set[ControlProtocol] = set()
 
     def record(self, event: str, **fields: Any) -> None:
         if self._record is not None:
@@ -219,6 +224,8 @@ class ControlService(Service):
         super().stopService()
         # Held requests are refused now, not left to a timer that will not run.
         self.factory.registry.stop()
+        for protocol in list(self.factory.open):
+            protocol.transport.loseConnection()
         port, self.port = self.port, None
         if port is None:
             return None
