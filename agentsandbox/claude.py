@@ -149,7 +149,7 @@ def machinePolicy(environ: Mapping[str, str] | None = None, config: str | None =
     built-in defaults where there is none.  Other people's homes are left out:
     the drop-in is the same for every user.
     """
-    from agentsandbox.config import loadMachine
+    from agentsandbox.loader import loadMachine
 
     return Policy.fromConfig(loadMachine(environ, config), environ, others=())
 

@@ -105,7 +105,8 @@ def loadConfig(name: str, path: str | None, environ: Mapping[str, str] | None = 
     WHY``, and ends the command with ``EXIT_CONFIG``, as argparse ends it on a
     usage error.
     """
-    from agentsandbox.config import ConfigError, load
+    from agentsandbox.config import ConfigError
+    from agentsandbox.loader import load
 
     try:
         return load(path, environ)

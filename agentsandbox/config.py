@@ -466,57 +466,6 @@ def locate(explicit: str | None, environ: Mapping[str, str] | None = None) -> st
     return locateConfig(explicit, environ)
 
 
-def load(
-    explicit: str | None = None,
-    environ: Mapping[str, str] | None = None,
-    machine: str | None = None,
-) -> Config:
-    """Find, read and validate the config in force for this user.  Raises ConfigError.
-
-    With a machine config (``machine``, default ``/etc/agentsandbox/config.toml``
-    when it exists) the user's file only narrows it (``machine.narrow``).
-    The machine's file is never taken from the environment: a user must not
-    be able to swap the admin's bounds for a file of their own.
-    """
-    env = os.environ if environ is None else environ
-    paths = Paths.fromEnvironment(env)
-    userPath = locate(explicit, env)
-    machinePath = machine if machine is not None else machineConfig()
-    if machinePath is not None and userPath is not None and _same(machinePath, userPath):
-        userPath = None
-    if machinePath is None:
-        if userPath is None:
-            return parse({}, BUILTIN, paths)
-        return loads(_readConfig(userPath), userPath, paths)
-    machineConfigValue = loads(_readConfig(machinePath), machinePath, paths)
-    machineConfigValue = replace(machineConfigValue, machine=machinePath)
-    if userPath is None:
-        return machineConfigValue
-    data = _toml(_readConfig(userPath), userPath)
-    user = parse(data, userPath, paths)
-    from agentsandbox.machine import narrow
-
-    config = narrow(machineConfigValue, user, data)
-    if config.inject_builtin:
-        # The built-in GitHub rule follows the narrowed allow list, as it follows a file's own.
-        config = replace(config, inject=builtinRules(config.sandbox.allowList, config.inject))
-    _checkLayout(config)
-    return config
-
-
-def loadMachine(environ: Mapping[str, str] | None = None, path: str | None = None) -> Config:
-    """The machine's config alone, as ``environ``'s user reads it (``~`` is their home).
-
-    ``path``, else ``/etc/agentsandbox/config.toml``, else the built-in
-    defaults.  What the machine's drop-in and the dispatcher are made from.
-    """
-    paths = Paths.fromEnvironment(os.environ if environ is None else environ)
-    path = path or machineConfig()
-    if path is None:
-        return parse({}, BUILTIN, paths)
-    return replace(loads(_readConfig(path), path, paths), machine=path)
-
-
 def machineConfig() -> str | None:
     """The machine's config file, if this machine has one."""
     from agentsandbox import paths
@@ -524,14 +473,14 @@ def machineConfig() -> str | None:
     return paths.SYSTEM_CONFIG if os.path.exists(paths.SYSTEM_CONFIG) else None
 
 
-def _same(a: str, b: str) -> bool:
+def sameFile(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _readConfig(path: str) -> bytes:
+def readConfig(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -540,10 +489,10 @@ def _readConfig(path: str) -> bytes:
 
 
 def loads(raw: bytes, source: str, paths: Paths) -> Config:
-    return parse(_toml(raw, source), source, paths)
+    return parse(toml(raw, source), source, paths)
 
 
-def _toml(raw: bytes, source: str) -> dict[str, Any]:
+def toml(raw: bytes, source: str) -> dict[str, Any]:
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -687,7 +636,6 @@ def parse(data: Mapping[str, Any], source: str, paths: Paths) -> Config:
         run=run,
         inject_builtin=named is None,
     )
-    _checkLayout(config)
     return config
 
 
@@ -1174,14 +1122,3 @@ def _parseRun(t: _Table) -> RunConfig:
             raise t.error(f"env[{i}]", f"{v!r} is not a variable name or a */? pattern")
     t.finish()
     return RunConfig(env=env)
-
-
-def _checkLayout(config: Config) -> None:
-    """Refuse layouts the sandbox cannot mount (see policy.nestedError)."""
-    from agentsandbox.policy import Policy
-
-    policy = Policy.fromConfig(config)
-    why = policy.nestedError()
-    if why is not None:
-        raise ConfigError(config.source, "sandbox.write", why)
-

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentsandbox import cli
-from agentsandbox.config import CommandSource, Config, ConfigError, InjectRule, load
+from agentsandbox.config import CommandSource, Config, ConfigError, InjectRule
+from agentsandbox.loader import load
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from agentsandbox.probes import Runner, askBroker, connectTCP, firstLine, listenerUids, systemRunner

@@ -856,7 +856,8 @@ def cachedPolicy(environ: Mapping[str, str]) -> tuple[Policy, str]:
                             return policy, str(data["source"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-    from agentsandbox.config import ConfigError, load
+    from agentsandbox.config import ConfigError
+    from agentsandbox.loader import load
 
     try:
         config = load(None, environ)
@@ -977,7 +978,8 @@ def sessionLines(
 ) -> tuple[list[str], list[str]]:
     """(lines for $CLAUDE_ENV_FILE, messages for the user); ``cwd`` is the session's, when known;
     ``session`` is Claude Code's session id, which the proxy's records then carry."""
-    from agentsandbox.config import DEFAULT_UNSET_ENV, ConfigError, load
+    from agentsandbox.config import DEFAULT_UNSET_ENV, ConfigError
+    from agentsandbox.loader import load
     from agentsandbox.policy import Policy
 
     messages: list[str] = []

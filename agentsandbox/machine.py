@@ -38,7 +38,7 @@ from dataclasses import fields, replace
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # config.load calls narrow: the values come in, nothing is imported back
+if TYPE_CHECKING:  # loader.load calls narrow: the values come in, nothing is imported back
     from agentsandbox.config import Config
 
 #: ``proxy.unlisted`` from the least permissive to the most (config.UNLISTED).

@@ -133,7 +133,7 @@ def locateConfig(explicit: str | None, environ: Mapping[str, str] | None = None)
     """The user's config file, or None: ``--config`` > ``$AGENTSANDBOX_CONFIG`` > the user's file.
 
     The machine's file (``SYSTEM_CONFIG``) is not a fallback here: it is the
-    bound every user's file is held to (``config.load``, ``machine.narrow``).
+    bound every user's file is held to (``loader.load``, ``machine.narrow``).
     """
     env = os.environ if environ is None else environ
     if explicit:

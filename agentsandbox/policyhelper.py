@@ -41,7 +41,7 @@ def sessionSettings(
     (``installationExe``), so the session's hooks are the drop-in's.
     """
     from agentsandbox.claude import render
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
     from agentsandbox.policy import Policy
 
     config = load(None, environ)

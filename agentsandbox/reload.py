@@ -71,7 +71,7 @@ class ConfigWatcher(Service):
     ``paths`` are the files the config is made of, present or not (the user's
     and the machine's: a file that appears or goes is followed too); each
     reload runs ``loader``, which discovers the files again (default
-    ``config.load()``).  Events are coalesced over ``settle`` seconds of
+    ``loader.load()``).  Events are coalesced over ``settle`` seconds of
     ``clock`` (default: ``reactor``, which also reads inotify and hears the
     signal), so an editor's write-then-rename reloads once, and a test
     advances a ``task.Clock`` instead of waiting.  ``unwatched`` says which
@@ -115,7 +115,7 @@ class ConfigWatcher(Service):
         return self.paths[0] if self.paths else None
 
     def _discover(self) -> Config:
-        from agentsandbox.config import load
+        from agentsandbox.loader import load
 
         return load(None)
 

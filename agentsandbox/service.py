@@ -29,7 +29,7 @@ from twisted.python.failure import Failure
 from agentsandbox.approvals import controlSocket
 from agentsandbox.audit import AuditLog
 from agentsandbox.broker.server import BrokerService
-from agentsandbox.config import Config, load
+from agentsandbox.config import Config
 from agentsandbox.egress.approvals import ApprovalRegistry, configWriter
 from agentsandbox.egress.control import ControlFactory, ControlService
 from agentsandbox.egress.dial import tcpDialer
@@ -37,6 +37,7 @@ from agentsandbox.egress.injection import InjectionService
 from agentsandbox.egress.interfaces import IDialer, IResolver
 from agentsandbox.egress.proxy import EgressProxyFactory, ProxyService
 from agentsandbox.egress.sessions import SessionRegistry
+from agentsandbox.loader import load
 from agentsandbox.notify import DesktopNotifier
 from agentsandbox.oneshot import OneShotObserver
 from agentsandbox.paths import Paths, locateConfig, locateDispatchSocket

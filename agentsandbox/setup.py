@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from agentsandbox import cli
-from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.config import Config, ConfigError
 from agentsandbox.files import atomicWrite
+from agentsandbox.loader import load
 from agentsandbox.paths import DROP_IN_NAME, Paths, locateConfig, locateDispatchSocket, managedDir
 from agentsandbox.policy import Policy, executable
 from agentsandbox.probes import Runner, firstLine, systemRunner

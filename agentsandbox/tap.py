@@ -35,7 +35,8 @@ class Options(usage.Options):
 def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
-    from agentsandbox.config import ConfigError, load
+    from agentsandbox.config import ConfigError
+    from agentsandbox.loader import load
     from agentsandbox.service import freezeStartupHeap
     from agentsandbox.service import makeService as make
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agentsandbox import claude  # noqa: E402  (the checkout, not an installed copy)
-from agentsandbox.config import load  # noqa: E402
+from agentsandbox.loader import load  # noqa: E402
 from agentsandbox.policy import Policy  # noqa: E402
 
 GOAL = 1.2

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from agentsandbox.config import Config, loads
+from agentsandbox.config import Config
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from tests.support.claude_harness import ClaudeBinary, installedBinaries

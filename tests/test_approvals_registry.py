@@ -11,9 +11,10 @@ import pytest
 from twisted.internet.task import Clock
 
 from agentsandbox.approvals import Answer
-from agentsandbox.config import Config, load
+from agentsandbox.config import Config
 from agentsandbox.configedit import HEADER, ConfigEditError, addEntry
 from agentsandbox.egress.approvals import ApprovalRegistry, Outcome, configWriter
+from agentsandbox.loader import load
 from tests.conftest import REPO, User
 
 ASKING = '[proxy]\nunlisted = "ask"\nask_timeout = 30\nmax_held = 3\n'
@@ -232,7 +233,7 @@ def test_the_journal_and_log_say_each_approvals_record(tmp_path: Path, capsys: p
 
 
 def test_the_starter_config_explains_ask(user: User) -> None:
-    from agentsandbox.config import loads
+    from agentsandbox.loader import loads
     from agentsandbox.paths import Paths
     from agentsandbox.setup import starterConfig
 

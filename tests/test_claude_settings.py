@@ -63,7 +63,7 @@ def test_drop_in_is_user_independent(user: User) -> None:
 
 def test_the_egress_dir_is_re_allowed_for_every_user(user: User, tmp_path: Path) -> None:
     env = dict(user.env, XDG_RUNTIME_DIR="/run/user/1000")
-    from agentsandbox.config import loads
+    from agentsandbox.loader import loads
     from agentsandbox.paths import Paths
     from agentsandbox.policy import Policy
 
@@ -76,7 +76,7 @@ def test_the_egress_dir_is_re_allowed_for_every_user(user: User, tmp_path: Path)
 def test_the_same_config_renders_the_same_bytes_for_every_user() -> None:
     """Homes either side of /opt, /run and /srv in sort order, and root without a runtime
     dir (a package's postinst, sudo).  Nothing here needs the homes to exist."""
-    from agentsandbox.config import loads
+    from agentsandbox.loader import loads
     from agentsandbox.paths import Paths
     from agentsandbox.policy import Policy
 

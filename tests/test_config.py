@@ -15,9 +15,8 @@ from agentsandbox.config import (
     EnvSource,
     FileSource,
     githubRules,
-    load,
-    loads,
 )
+from agentsandbox.loader import load, loads
 from agentsandbox.paths import Paths
 from tests.conftest import User
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from agentsandbox.config import ConfigError, loads
+from agentsandbox.config import ConfigError
+from agentsandbox.loader import loads
 from agentsandbox.paths import DISPATCH_SOCKET, Paths, locateDispatchSocket
 from harness.service_process import REPO, HelloServer, ServiceProcess
 from tests.support.broker_support import waitFor

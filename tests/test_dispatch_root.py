@@ -32,10 +32,10 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
 from agentsandbox import doctor
-from agentsandbox.config import loads
 from agentsandbox.egress.dispatch import ROOT_KEY, makeService
 from agentsandbox.egress.peer import CLOSED_REFUSAL
 from agentsandbox.egress.register import REFUSED_RETRY, DispatchRegistration
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from tests.support.broker_support import waitFor
 from tests.support.dispatch_world import ROOT, DispatchWorld, curl, systemUsers, usersAvailable

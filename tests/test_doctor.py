@@ -600,7 +600,7 @@ def test_the_user_bus_check_names_dbus_user_session(tmp_path: Path) -> None:
 
 
 def test_observe_mode_is_a_loud_warning(user: User) -> None:
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
 
     user.writeConfig('[proxy]\nunlisted = "refuse"\n')
     assert doctor.checkUnlisted(load(None, user.env)) is None
@@ -621,7 +621,7 @@ def test_observe_mode_is_a_loud_warning(user: User) -> None:
 def test_the_command_line_channel_is_the_control_socket(
     user: User, mode: str, answers: str | None, status: str, words: str
 ) -> None:
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
 
     user.writeConfig(f'[proxy]\nunlisted = "{mode}"\n')
     config = load(None, user.env)

@@ -24,11 +24,12 @@ from zope.interface.verify import verifyObject
 
 from agentsandbox.allowlist import IPAddress
 from agentsandbox.commands import _checkHost
-from agentsandbox.config import Config, loads
+from agentsandbox.config import Config
 from agentsandbox.egress.inject import Injector
 from agentsandbox.egress.injection import InjectionService, injectionFor
 from agentsandbox.egress.interfaces import ITerminator
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from agentsandbox.reload import ConfigHolder
 from tests.support.broker_support import until

@@ -12,7 +12,8 @@ import pytest
 
 from agentsandbox import claude, policyhelper
 from agentsandbox.allowlist import Entry
-from agentsandbox.config import BUILTIN, ConfigError, load
+from agentsandbox.config import BUILTIN, ConfigError
+from agentsandbox.loader import load
 from agentsandbox.policy import Policy, otherHomes
 from tests.conftest import REPO, MachineConfig, User
 

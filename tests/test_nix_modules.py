@@ -42,7 +42,8 @@ from typing import Any
 
 import pytest
 
-from agentsandbox.config import ConfigError, loads
+from agentsandbox.config import ConfigError
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -702,7 +703,7 @@ def test_hm_asserts_the_loaders_own_words(what: str, settings: dict[str, Any]) -
 
 def test_hm_leaves_the_port_to_the_machine(tmp_path: Path) -> None:
     """A user's file names no proxy.port unless they set one: under a machine config it is the machine's alone."""
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
 
     user = hm({"settings": {"sandbox": {"write": ["~/src"]}}})["configFile"]["agentsandbox/config.toml"]
     value = user["source"]["env"]["generated"]["value"]

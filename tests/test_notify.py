@@ -195,7 +195,7 @@ class NotifierOnARealBus(unittest.TestCase):
 
 def test_doctor_says_desktop_notifications_yes_on_a_bus_with_a_server_no_without(user: User, tmp_path: Path) -> None:
     """``doctor``'s channel check (agentsandbox/desktop.py), asking a real bus with gdbus."""
-    from agentsandbox.config import load
+    from agentsandbox.loader import load
     from tests.support.sessionbus import SessionBus
 
     config = load(None, user.env)

@@ -23,11 +23,11 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 from twisted.web.static import Data
 
-from agentsandbox.config import load
 from agentsandbox.egress.approvals import ApprovalRegistry
 from agentsandbox.egress.gate import Ask, Gate, Observe, Resolve
 from agentsandbox.egress.grant import Refusal
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
+from agentsandbox.loader import load
 from agentsandbox.reload import ConfigHolder
 from tests.support.egress_fixtures import CURL, ProxyHarness, deferredTest, listen, reactor
 

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from agentsandbox import doctor
-from agentsandbox.config import loads
 from agentsandbox.egress.dispatch import portTaken
+from agentsandbox.loader import loads
 from agentsandbox.packaged import ROOT_ENV, machine
 from agentsandbox.paths import Paths
 from agentsandbox.probes import PortHolder, portHolders

@@ -13,8 +13,9 @@ from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
-from agentsandbox.config import Config, ConfigError, load
+from agentsandbox.config import Config, ConfigError
 from agentsandbox.egress.testing import FixedResolver
+from agentsandbox.loader import load
 from agentsandbox.reload import ConfigHolder, ConfigWatcher
 from tests.support.egress_fixtures import (
     ProxyHarness,

@@ -21,7 +21,7 @@ import pytest
 
 from agentsandbox import probes
 from agentsandbox import run as runModule
-from agentsandbox.config import loads
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 from harness.service_process import HelloServer, ServiceProcess, serveArgv

@@ -30,9 +30,10 @@ from twisted.trial import unittest
 from agentsandbox.broker import client
 from agentsandbox.broker.server import STOPPING
 from agentsandbox.broker.spool import Reply
-from agentsandbox.config import Config, load
+from agentsandbox.config import Config
 from agentsandbox.egress.testing import FixedResolver, MappedDialer, UpstreamPKI
 from agentsandbox.egressdir import egressVars
+from agentsandbox.loader import load
 from agentsandbox.service import AgentSandbox, makeService
 from tests.support.broker_support import asyncTest, until
 from tests.support.egress_fixtures import Echo, exchange

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import setup as setupModule
-from agentsandbox.config import loads
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from agentsandbox.probes import systemRunner
 from tests.conftest import REPO, User

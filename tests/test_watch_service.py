@@ -34,11 +34,11 @@ from twisted.web.server import Site
 from twisted.web.static import Data
 
 from agentsandbox.approvals import controlSocket
-from agentsandbox.config import load
 from agentsandbox.controlpeer import namespacesOf
 from agentsandbox.egress.approvals import ApprovalRegistry, configWriter
 from agentsandbox.egress.control import ControlFactory, ControlService
 from agentsandbox.egress.testing import FixedResolver, MappedDialer
+from agentsandbox.loader import load
 from agentsandbox.notify import BY, DesktopNotifier
 from agentsandbox.reload import ConfigHolder
 from tests.support.egress_fixtures import CURL, ProxyHarness, deferredTest, listen, reactor, waitFor

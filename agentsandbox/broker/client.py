@@ -75,9 +75,9 @@ def spoolDir(environ: Mapping[str, str] | None = None) -> str:
     named = env.get(SPOOL_ENV)
     if named:
         return named
-    from agentsandbox import config
+    from agentsandbox import loader
 
-    return config.load(None, env).broker.spool
+    return loader.load(None, env).broker.spool
 
 
 def inSandbox(environ: Mapping[str, str] | None = None) -> bool:

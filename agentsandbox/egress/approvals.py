@@ -43,8 +43,9 @@ from agentsandbox.approvals import (
     timedoutEvent,
     withdrawnEvent,
 )
-from agentsandbox.config import Config, loads
+from agentsandbox.config import Config
 from agentsandbox.configedit import addEntry, userFileFor
+from agentsandbox.loader import loads
 
 #: How many decided requests ``list`` shows.
 RECENT = 50

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentsandbox import cli
-from agentsandbox.config import loads
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 from agentsandbox.policy import Policy
 

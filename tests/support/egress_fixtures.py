@@ -27,9 +27,10 @@ from twisted.internet.utils import getProcessOutputAndValue
 from zope.interface import implementer
 
 from agentsandbox.audit import AuditLog
-from agentsandbox.config import Config, loads
+from agentsandbox.config import Config
 from agentsandbox.egress.proxy import ZERO_COPY_AFTER, EgressProxyFactory, FrontDoor, ProxyService
 from agentsandbox.egress.testing import AllowAllPeers, FixedResolver, MappedDialer
+from agentsandbox.loader import loads
 from agentsandbox.paths import Paths
 
 reactor: Any = _reactor

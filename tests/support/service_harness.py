@@ -346,8 +346,9 @@ def _childMain(argv: list[str]) -> int:
     from twisted.internet import reactor as installed
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
-    from agentsandbox.config import GITHUB_HOSTS, load
+    from agentsandbox.config import GITHUB_HOSTS
     from agentsandbox.egress.testing import FixedResolver, MappedDialer, UpstreamPKI
+    from agentsandbox.loader import load
     from agentsandbox.service import makeService
     from tests.support.inject_github import FakeGitHub, listenTLS
 
