@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from twisted.internet import reactor as _reactor
+from twisted.internet.protocol import ServerFactory
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
@@ -203,7 +204,7 @@ class RefusedRegistrationTests(TestCase):
         service.startService()
         self.addCleanup(service.stopService)
         clock: Any = Clock()
-        registration = DispatchRegistration(None, path, reactor, clock=clock)
+        registration = DispatchRegistration(ServerFactory(), path, reactor, clock=clock)
         registration.startService()
         self.addCleanup(registration.stopService)
         await waitForAsync(lambda: registration.lastError is not None, "the refusal")

@@ -897,9 +897,6 @@ class ProxyService(MultiService):
                 "registers when it starts (it serves nothing meanwhile)",
                 path=self.dispatchSocket, why=self.awaitDispatcher,
             )  # fmt: skip
-        # No port starts the factory here (its sweeper of stale half-read
-        # connections): it runs while the registration does.
-        self.factory.doStart()
         return self.registration
 
     def figures(self) -> dict[str, Any]:
@@ -912,9 +909,6 @@ class ProxyService(MultiService):
         self.factory.holder.unsubscribe(self._configChanged)
         self.factory.closeAll()
         stopped: Deferred[Any] = super().stopService()
-        registration, self.registration = self.registration, None
+        self.registration = None
         self.port = None
-        if registration is not None:
-            # Its child stopped synchronously; the connections it brought are closed.
-            self.factory.doStop()
         return stopped

@@ -30,7 +30,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IFileDescriptorReceiver
-from twisted.internet.protocol import ClientFactory, Protocol
+from twisted.internet.protocol import ClientFactory, Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -130,12 +130,15 @@ class DispatchRegistration(Service):
     """Keeps this user's service registered with the dispatcher at ``path``.
 
     ``factory`` is the proxy's ``EgressProxyFactory``; every adopted connection
-    goes to it.  ``reactor`` must provide ``IReactorUNIX`` and ``IReactorSocket``.
+    goes to it, and it is started and stopped with this service as a listening
+    port starts and stops its factory (its sweeper of stale half-read
+    connections runs while the registration does).  ``reactor`` must provide
+    ``IReactorUNIX`` and ``IReactorSocket``.
     """
 
     def __init__(
         self,
-        factory: Any,
+        factory: Factory,
         path: str,
         reactor: Any,
         clock: Any = None,
@@ -169,10 +172,12 @@ class DispatchRegistration(Service):
 
     def startService(self) -> None:
         super().startService()
+        self.factory.doStart()
         self._connect()
 
     def stopService(self) -> None:
         super().stopService()
+        self.factory.doStop()
         self.state = STOPPED
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
@@ -302,7 +307,7 @@ class DispatchRegistration(Service):
         }
 
 
-def _serveAdopted(sock: socket.socket, factory: Any, reactor: Any) -> None:
+def _serveAdopted(sock: socket.socket, factory: Factory, reactor: Any) -> None:
     """``sock`` (a connected TCP socket) served by ``factory``, as
     ``IReactorSocket.adoptStreamConnection`` would serve its descriptor.
 
