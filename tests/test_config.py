@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ from agentsandbox.config import (
     BUILTIN,
     DEFAULT_DOMAINS,
     CommandSource,
+    Config,
     ConfigError,
     EnvSource,
     FileSource,
     githubRules,
+    parse,
 )
 from agentsandbox.loader import load, loads
 from agentsandbox.paths import Paths
@@ -259,3 +262,68 @@ def test_a_token_source_is_one_of_three_values_each_describing_itself(user: User
     assert len({rule.token for rule in githubRules()}) == 1
     with pytest.raises(ConfigError, match=r"inject\[0\]\.token_timeout"):
         user.config('[[inject]]\nhosts = ["a.example.org"]\ntoken_env = "A"\ntoken_timeout = 0\n')
+
+
+# ---------------------------------------------------------------------- request rules ([[inject.requests]], [github])
+
+
+def _parsed(text: str) -> Config:
+    return parse(tomllib.loads(text), "/c.toml", Paths.fromEnvironment({"HOME": "/home/u"}))
+
+
+def test_rulesParseInOrderWithTheirKeys() -> None:
+    config = _parsed(
+        '[[inject]]\nhosts = ["llm.example.com"]\ntoken_env = "K"\nunmatched = "refuse"\n'
+        '[[inject.requests]]\naction = "allow"\nmethods = ["POST"]\npath = "/v1/messages"\n'
+        '[[inject.requests]]\naction = "allow"\npath = "/v1/models/**"\n'
+    )
+    rule = config.inject[0]
+    assert rule.unmatched == "refuse" and rule.key == "inject[0]"
+    assert [(r.key, r.action, r.methods, r.path) for r in rule.requests] == [
+        ("inject[0].requests[0]", "allow", ("POST",), "/v1/messages"),
+        ("inject[0].requests[1]", "allow", (), "/v1/models/**"),
+    ]
+
+
+def test_githubTableShapesTheBuiltInRule() -> None:
+    config = _parsed('[github]\n[[github.requests]]\naction = "refuse"\nmethods = ["POST"]\npath = "/gists"\nhost = "api.github.com"\n')
+    api = config.injectFor("api.github.com")
+    web = config.injectFor("github.com")
+    assert api is not None and web is not None
+    assert [r.key for r in api.requests] == ["github.requests[0]"] and web.requests == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "deny"\npath = "/"\n',
+         "inject[0].requests[0].action: 'deny' is not \"allow\" or \"refuse\""),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "v1"\n',
+         "inject[0].requests[0].path: 'v1' is not a path pattern"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/a/../b"\n',
+         "inject[0].requests[0].path: '/a/../b': a segment is '**' alone, and never '.' or '..'"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/a**"\n',
+         "inject[0].requests[0].path: '/a**': a segment is '**' alone"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/a?b"\n',
+         "inject[0].requests[0].path: '/a?b' is not a path pattern"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/"\nmethods = ["get"]\n',
+         "inject[0].requests[0].methods[0]: 'get' is not an HTTP method in capitals"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/"\nhost = "b.example.com"\n',
+         "inject[0].requests[0].host: 'b.example.com' is not one of this rule's hosts (a.example.com)"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[[inject.requests]]\naction = "allow"\npath = "/"\nmetod = "GET"\n',
+         "inject[0].requests[0].metod: unknown key"),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\nunmatched = "deny"\n',
+         "inject[0].unmatched: 'deny' is not \"allow\" or \"refuse\""),
+        ('[[inject]]\nhosts = ["a.example.com"]\ntoken_env = "T"\n[github]\nunmatched = "refuse"\n',
+         "github.requests: [github] shapes the built-in GitHub rule, which [[inject]] tables replace"),
+        ('[github]\nrepos = 1\n', "github.repos: must be a list of strings, not an integer"),
+        ('[github]\nrepos = ["octocat"]\n', "github.repos[0]: 'octocat' is not OWNER/NAME or OWNER/*"),
+        ('[github]\nrepos = ["o/*/x"]\n', "github.repos[0]: 'o/*/x' is not OWNER/NAME or OWNER/*"),
+        ('[github]\nrepos = ["o/r"]\nmutations = ["add-star"]\n', "github.mutations[0]: 'add-star' is not a GraphQL mutation name"),
+        ('[github]\nmutations = ["addStar"]\n', "github.mutations: mutations are allowed by name only while github.repos is set"),
+    ],
+)
+def test_badRulesNameFileAndKey(text: str, error: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _parsed(text)
+    assert str(e.value).startswith("/c.toml: " + error), str(e.value)

@@ -18,10 +18,11 @@ from twisted.internet.error import ConnectionDone
 from twisted.trial import unittest
 
 from agentsandbox.egress.http11 import MAX_HEAD
+from tests.support.chunks import dechunk
 from tests.support.differential import oursOnRequests
 from tests.support.egress_fixtures import Collector, ProxyHarness, reactor
 from tests.test_inject import SMUGGLING
-from tests.test_inject_framing import Close, ScriptedFactory, _dechunk
+from tests.test_inject_framing import Close, ScriptedFactory
 from tests.test_proxy import foreignStarts
 
 
@@ -249,7 +250,7 @@ class ForwardFraming(unittest.TestCase):
         )
         first, _, rest = bytes(client.received).partition(b"\r\n\r\n")
         self.assertIn(b"transfer-encoding: chunked", first)
-        body, rest = _dechunk(rest)
+        body, rest = dechunk(rest)
         self.assertEqual(body, b"hello world")
         self.assertTrue(rest.startswith(b"\r\nHTTP/1.1 200 OK\r\n"), rest)
         self.assertTrue(rest.endswith(b"\r\n\r\nafter"), rest)

@@ -1,7 +1,8 @@
-"""The pieces of ``egress/http11.py`` the parsers' tests (``test_inject_framing``) do not reach:
-the hop-by-hop rule, the Host rule, the body framers' decisions and the framers' payload counts,
-a request refused at the first byte no request can hold, and framing or hop-by-hop
-fields spelled with ``_``."""
+"""``egress/http11.py`` on its own: the head parsers and their refusals, the chunked
+decoder at the worst split, the hop-by-hop rule, the Host rule, the body framers'
+decisions and payload counts, a request refused at the first byte no request can
+hold, and framing or hop-by-hop fields spelled with ``_``.  (The injector's framing
+over real TLS is ``test_inject_framing``; h11's agreement, ``test_http11_differential``.)"""
 
 from __future__ import annotations
 
@@ -23,9 +24,91 @@ from agentsandbox.egress.http11 import (
     responseBody,
     takeRequestHead,
 )
+from tests.support.chunks import dechunk
 
 #: RFC 9110 §5.6.2's tchar, written out here rather than taken from the module under test.
 TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def _chunked(body: bytes) -> tuple[list[bytes], bool]:
+    """Feed ``body`` to a ChunkedBody one byte at a time (the worst split)."""
+    decoder = ChunkedBody(400)
+    buf = bytearray()
+    out: list[bytes] = []
+    for i in range(len(body)):
+        buf += body[i : i + 1]
+        decoder.feed(buf, out)
+    return out, decoder.done
+
+
+class Parsers(unittest.TestCase):
+    def test_aRequestHeadIsSplitIntoLowerCaseFields(self) -> None:
+        head = parseRequestHead(b"POST /x?y HTTP/1.1\r\nHost: a\r\nX-Thing:  v  w \r\nContent-Length: 12\r\n\r\n")
+        self.assertEqual(head.start, (b"POST", b"/x?y"))
+        self.assertEqual(list(head.fields), [(b"host", b"a"), (b"x-thing", b"v  w"), (b"content-length", b"12")])
+        self.assertEqual((head.length, head.chunked, head.minor), (12, False, 1))
+
+    def test_requestRefusals(self) -> None:
+        for raw, why in [
+            (b"GET / HTTP/1.1\r\nHost: a\r\nX: \x7f\r\n\r\n", "a malformed header line"),
+            (b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", "a malformed request line"),
+            (b"GET  / HTTP/1.1\r\nHost: a\r\n\r\n", "a malformed request line"),
+            (b"GET / HTTP/1.1\r\nHost : a\r\n\r\n", "whitespace before a header's colon"),
+            (b"GET / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n", "a malformed Content-Length"),
+            (b"GET / HTTP/1.1\r\nContent-Length:\r\n\r\n", "a malformed Content-Length"),
+        ]:
+            with self.assertRaises(Refused, msg=raw) as caught:
+                parseRequestHead(raw)
+            self.assertEqual(caught.exception.why, why, raw)
+
+    def test_aResponseHeadKeepsItsReason(self) -> None:
+        head = parseResponseHead(b"HTTP/1.1 404 Not Found Here\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(head.start, (b"404", b"Not Found Here"))
+        self.assertEqual(parseResponseHead(b"HTTP/1.1 204\r\n\r\n").start, (b"204", b""))
+
+    def test_responseRefusalsAre502(self) -> None:
+        for raw in [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 20 OK\r\n\r\n",
+            b"HTTP/1.1 200 OK\nX: y\r\n\r\n",
+            b"ICY 200 OK\r\n\r\n",
+        ]:
+            with self.assertRaises(Refused, msg=raw) as caught:
+                parseResponseHead(raw)
+            self.assertEqual(caught.exception.status, 502)
+
+    def test_chunkedBodiesAreReframedWithoutExtensionsOrTrailers(self) -> None:
+        out, done = _chunked(b"5;name=value\r\nhello\r\n6; x \r\n world\r\n0\r\nX-Trailer: t\r\n\r\n")
+        self.assertTrue(done)
+        body, rest = dechunk(b"".join(out))
+        self.assertEqual((body, rest), (b"hello world", b"\r\n"))
+        self.assertNotIn(b"name", b"".join(out))
+        self.assertNotIn(b"X-Trailer", b"".join(out))
+
+    def test_chunkedBodyRefusals(self) -> None:
+        for raw in [
+            b"0x5\r\nhello\r\n0\r\n\r\n",
+            b"-5\r\nhello\r\n0\r\n\r\n",
+            b"5 ;x\r\nhello\r\n0\r\n\r\n",  # h11 refuses whitespace before an extension
+            b"5;a\nb\r\nhello\r\n0\r\n\r\n",
+            b"5\r\nhelloXX0\r\n\r\n",
+            b"5\nhello\r\n0\r\n\r\n",
+            b"11111111111111111\r\n",
+            b"0\r\nBad Trailer: x\r\n\r\n",
+            b"5\r\n" + b"hello\r\n" + b"1" * 5000,
+        ]:
+            with self.assertRaises(Refused, msg=raw):
+                _chunked(raw)
+
+    def test_aChunkedBodyStopsAtItsEnd(self) -> None:
+        decoder = ChunkedBody(400)
+        buf = bytearray(b"3\r\nabc\r\n0\r\n\r\nGET /next HTTP/1.1\r\n")
+        out: list[bytes] = []
+        decoder.feed(buf, out)
+        self.assertTrue(decoder.done)
+        self.assertEqual(bytes(buf), b"GET /next HTTP/1.1\r\n")
 
 
 def _refusal(raw: bytes) -> str | None:
