@@ -43,7 +43,10 @@ def unavailable(environ: Mapping[str, str]) -> str | None:
     if sessionBus(environ) is None:
         return "no session bus (neither DBUS_SESSION_BUS_ADDRESS nor $XDG_RUNTIME_DIR/bus)"
     if notifySend(environ) is None:
-        return "notify-send is not installed (apt install libnotify-bin)"
+        return (
+            "notify-send is not on the service's PATH (apt install libnotify-bin; with Nix, "
+            "add pkgs.libnotify to services.agentsandbox.path)"
+        )
     return None
 
 

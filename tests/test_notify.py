@@ -189,6 +189,14 @@ class NotifierOnARealBus(unittest.TestCase):
         self.registry.hold("example.org")
         self.assertEqual(notifier.shown, {})
 
+    def test_a_bus_without_notify_send_names_both_ways_to_install_it(self) -> None:
+        environ = {"PATH": self.dir + "/empty", "XDG_RUNTIME_DIR": self.dir}
+        self.assertIsNotNone(sessionBus(environ))
+        why = unavailable(environ) or ""
+        self.assertIn("notify-send is not on the service's PATH", why)
+        self.assertIn("apt install libnotify-bin", why)
+        self.assertIn("pkgs.libnotify to services.agentsandbox.path", why)
+
     def test_the_runtime_dirs_bus_is_found_without_the_variable(self) -> None:
         self.assertEqual(sessionBus({"XDG_RUNTIME_DIR": self.dir}), f"unix:path={self.dir}/bus")
 
