@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -137,12 +138,6 @@ class QuestionsWithoutReadingTests(TestCase):
         print(f"asked {asked} times ({sent} bytes) before the dispatcher stopped reading; all answered")
 
 
-def _connected(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
-    client = socket.create_connection(listener.getsockname())
-    accepted, _ = listener.accept()
-    return client, accepted
-
-
 class _Owners:
     """The socket table as a test says it: the owner of each client port."""
 
@@ -153,30 +148,43 @@ class _Owners:
         return [self.uids.get(client[1]) for client, _ in pairs]
 
 
+class _Accepting:
+    """A dispatcher in this process on a ``task.Clock``, fed by a real loopback
+    listener whose clients' owners the test names (``accept(uid)``)."""
+
+    def __init__(self, test: TestCase, backlog: int, **options: Any) -> None:
+        self.owners = _Owners()
+        self.clock: Any = Clock()
+        base = tempfile.mkdtemp(prefix="dispatch-limits-")
+        test.addCleanup(shutil.rmtree, base, True)
+        service = makeService(reactor, 0, os.path.join(base, "d.sock"), owners=self.owners, clock=self.clock, **options)
+        self.dispatcher = service.dispatcher
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(backlog)
+        self.opened: list[socket.socket] = [self.listener]
+        test.addCleanup(self._closeSockets)
+        test.addCleanup(self.dispatcher.closeAll)
+
+    def _closeSockets(self) -> None:
+        for s in self.opened:
+            s.close()
+
+    def accept(self, uid: int) -> socket.socket:
+        """A new client connection owned by ``uid``, handed to the dispatcher as accepted."""
+        client = socket.create_connection(self.listener.getsockname())
+        accepted, _ = self.listener.accept()
+        self.opened.append(client)
+        self.owners.uids[client.getsockname()[1]] = uid
+        self.dispatcher.connectionsAccepted([(accepted, client.getsockname(), self.listener.getsockname())])
+        return client
+
+
 class RefusalSlotsTests(TestCase):
     def test_one_uids_unanswered_connections_leave_slots_for_another(self) -> None:
-        owners = _Owners()
-        clock: Any = Clock()  # the refusals' timers never fire here
-        base = Path(tempfile.mkdtemp(prefix="dispatch-slots-"))
-        service = makeService(reactor, 0, str(base / "d.sock"), owners=owners, clock=clock, holdAfterStart=0)
-        dispatcher = service.dispatcher
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(512)
-        opened: list[socket.socket] = [listener]
-        def closeAll() -> None:
-            for s in opened:
-                s.close()
-
-        self.addCleanup(closeAll)
-        self.addCleanup(dispatcher.closeAll)
-
-        def accept(uid: int) -> socket.socket:
-            client, accepted = _connected(listener)
-            opened.append(client)
-            owners.uids[client.getsockname()[1]] = uid
-            dispatcher.connectionsAccepted([(accepted, client.getsockname(), listener.getsockname())])
-            return client
+        # The refusals' timers never fire here.
+        world = _Accepting(self, 512, holdAfterStart=0)
+        dispatcher, accept = world.dispatcher, world.accept
 
         # Uid 2001 opens more connections than there were refusal slots for
         # everyone (256 before this bound) and sends nothing.
@@ -211,30 +219,9 @@ class HoldAfterStartTests(TestCase):
     hold is over."""
 
     def test_a_connection_before_its_service_registers_is_held_then_handed_on(self) -> None:
-        owners = _Owners()
-        clock: Any = Clock()
-        base = Path(tempfile.mkdtemp(prefix="dispatch-hold-"))
-        service = makeService(reactor, 0, str(base / "d.sock"), owners=owners, clock=clock, holdAfterStart=5, serveRoot=True)
-        dispatcher = service.dispatcher
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        opened: list[socket.socket] = [listener]
-
-        def closeAll() -> None:
-            for s in opened:
-                s.close()
-
-        self.addCleanup(closeAll)
-        self.addCleanup(dispatcher.closeAll)
+        world = _Accepting(self, 16, holdAfterStart=5, serveRoot=True)
+        dispatcher, accept, clock, opened = world.dispatcher, world.accept, world.clock, world.opened
         me = os.getuid()
-
-        def accept(uid: int) -> socket.socket:
-            client, accepted = _connected(listener)
-            opened.append(client)
-            owners.uids[client.getsockname()[1]] = uid
-            dispatcher.connectionsAccepted([(accepted, client.getsockname(), listener.getsockname())])
-            return client
 
         mine = accept(me)
         theirs = accept(me + 1)
