@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from agentsandbox.allowlist import IPAddress
+from agentsandbox.broker.procfs import socketHolders
 
 #: How long the broker gets to answer before it counts as not answering.
 BROKER_TIMEOUT = 3.0
@@ -147,28 +148,10 @@ def portHolders(port: int, procDir: str = "/proc") -> list[PortHolder]:
         for row in socketRows(readTable(name, procDir) or ""):
             if row.listening and row.local[1] == port:
                 inodes[row.inode] = row.uid
-    found: dict[int, list[int]] = {}
-    try:
-        pids = [int(d) for d in os.listdir(procDir) if d.isdigit()]
-    except OSError:
-        pids = []
-    links = {f"socket:[{inode}]": inode for inode in inodes if inode}
-    for pid in pids:
-        fdDir = os.path.join(procDir, str(pid), "fd")
-        try:
-            fds = os.listdir(fdDir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(os.path.join(fdDir, fd))
-            except OSError:
-                continue
-            if target in links:
-                found.setdefault(inodes[links[target]], [])
-                if pid not in found[inodes[links[target]]]:
-                    found[inodes[links[target]]].append(pid)
-                break
+    byInode = socketHolders(procDir, inodes)
+    found: dict[int, set[int]] = {}
+    for inode, pids in byInode.items():
+        found.setdefault(inodes[inode], set()).update(pids)
     holders = []
     for uid in sorted(set(inodes.values())):
         held = tuple(sorted(found.get(uid, ())))

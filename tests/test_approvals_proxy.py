@@ -154,6 +154,8 @@ class AskingTests(TestCase):
             self.assertEqual(self.harness.resolver.lookups, [])
             listed = json.loads((await self.cli("approvals", "--json"))[0])
             self.assertEqual([(h["host"], h["kind"]) for h in listed["held"]], [("app.example.org", kind)])
+            # The person sees what asks: curl, by its pid (egress/askers.py).
+            self.assertRegex(listed["held"][0]["process"], r"^\d+ curl$")
             out, err, code = await self.cli("approve", "app.example.org", "--once")
             self.assertEqual(code, 0, err)
             self.assertIn(b"allow once: answered request", out)

@@ -25,9 +25,11 @@ from zope.interface import Interface
 from zope.interface.verify import verifyObject
 
 from agentsandbox.config import EnvSource
+from agentsandbox.egress.askers import ProcAskers
 from agentsandbox.egress.dial import TCPDialer
 from agentsandbox.egress.inject import IUpstreamPool
 from agentsandbox.egress.interfaces import (
+    IAskers,
     IDialer,
     IDoorHandler,
     IFrontDoor,
@@ -40,6 +42,7 @@ from agentsandbox.egress.peer import ProcNetPeers, SameUserPeers
 from agentsandbox.egress.resolve import ResolveError, SystemResolver
 from agentsandbox.egress.testing import (
     AllowAllPeers,
+    FixedAskers,
     FixedResolver,
     FixedToken,
     MappedDialer,
@@ -71,6 +74,8 @@ def implementations() -> Iterator[tuple[type[Interface], object]]:
     yield ITokenHolder, TokenKeeper(EnvSource("AGENTSANDBOX_TEST_TOKEN"), reactor, Clock())
     yield ITokenHolder, FixedToken("t")
     yield ITerminator, FakeTerminator()
+    yield IAskers, ProcAskers(reactor)
+    yield IAskers, FixedAskers("4242 curl")
     yield from doorsAndHandlers()
 
 
@@ -97,7 +102,7 @@ def test_every_implementation_and_double_provides_its_interface() -> None:
     for interface, implementation in implementations():
         assert verifyObject(interface, implementation), (interface, implementation)
         checked += 1
-    assert checked == 19
+    assert checked == 21
 
 
 def test_the_injector_is_a_terminator() -> None:

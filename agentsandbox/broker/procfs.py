@@ -74,6 +74,56 @@ def holds(procDir: str, pid: int, dev: int, ino: int) -> bool:
     return (dev, ino) in _fdKeys(procDir, pid)
 
 
+def socketHolders(procDir: str, inodes: Iterable[int], uid: int | None = None) -> dict[int, list[int]]:
+    """For each socket inode, the pids holding it open (an fd link reads
+    ``socket:[INODE]``), among ``uid``'s processes or, with None, every one this
+    user may read.  One pass over /proc."""
+    links = {f"socket:[{inode}]": inode for inode in inodes if inode}
+    found: dict[int, list[int]] = {inode: [] for inode in links.values()}
+    if not links:
+        return found
+    if uid is None:
+        try:
+            pids = [int(name) for name in os.listdir(procDir) if name.isdigit()]
+        except OSError:
+            pids = []
+    else:
+        pids = _pids(procDir, uid)
+    for pid in pids:
+        fdDir = os.path.join(procDir, str(pid), "fd")
+        try:
+            fds = os.listdir(fdDir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                inode = links.get(os.readlink(os.path.join(fdDir, fd)))
+            except OSError:
+                continue
+            if inode is not None and pid not in found[inode]:
+                found[inode].append(pid)
+    for pids in found.values():
+        pids.sort()
+    return found
+
+
+#: What a process's name may show of itself: a name is the process's own to set
+#: (``prctl(PR_SET_NAME)``), and it reaches a terminal (``watch``) and a
+#: notification's markup, so anything else is shown as ``?``.
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ._+-:@/")
+
+
+def commandName(procDir: str, pid: int) -> str | None:
+    """``pid``'s command name (``/proc/PID/comm``), every character but
+    letters, digits, spaces and ``._+-:@/`` shown as ``?``; None when the process is gone."""
+    try:
+        with open(os.path.join(procDir, str(pid), "comm"), encoding="utf-8", errors="replace") as f:
+            raw = f.read().removesuffix("\n")
+    except OSError:
+        return None
+    return "".join(c if c in _NAME_CHARS else "?" for c in raw) or "?"
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where a requester stands: its working directory and the variables asked for."""

@@ -74,6 +74,15 @@ class IPeerChecker(Interface):
         may use the proxy, else the reason it may not, for the audit log."""
 
 
+class IAskers(Interface):
+    """Finds what process asks on a connection, for the person asked about it (issue 28)."""
+
+    def find(client: tuple[str, int], server: tuple[str, int]) -> Deferred[str | None]:
+        """``"PID COMM"`` of each process holding the client's end of the connection
+        ``client`` -> ``server`` (comma-separated), or None when none is found.
+        Never fails: what cannot be read is left out."""
+
+
 class ITokenHolder(Interface):
     """Where an inject route's token comes from (``tokens.TokenKeeper`` is one)."""
 

@@ -126,6 +126,21 @@ def ownerOf(
     return CLOSED if closed else None
 
 
+def socketInode(procDir: str, client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    """The inode of the live socket at ``client`` connected to ``server``, from
+    ``procDir/net/tcp{,6}``; None when there is none or no process holds it."""
+    # An IPv4 client of a dual-stack listener is in tcp6, mapped.
+    names = ("tcp", "tcp6") if ":" not in client[0] else ("tcp6",)
+    for name in names:
+        table = readTable(name, procDir)
+        if table is None:
+            continue
+        for row in socketRows(table):
+            if row.inode and row.state in _LIVE_STATE_TEXT and _same(row.local, client) and _same(row.remote, server):
+                return row.inode
+    return None
+
+
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
 _NLMSG_ERROR = 2

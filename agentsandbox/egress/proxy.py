@@ -53,11 +53,13 @@ from agentsandbox.allowlist import IPAddress, parseIP, unwrapMapped
 from agentsandbox.audit import AuditLog
 from agentsandbox.config import Config
 from agentsandbox.egress.approvals import ApprovalRegistry, Outcome
+from agentsandbox.egress.askers import ProcAskers
 from agentsandbox.egress.dial import connectQuietly, dialInTurn, dialTunnel, tcpDialer
 from agentsandbox.egress.gate import Ask, Gate, Observe, Resolve, Step, TunnelSlots, Verdict
 from agentsandbox.egress.grant import Grant, Refusal, RefusalError, refusalOf
 from agentsandbox.egress.http import HTTPHandler, ParentHandshake
 from agentsandbox.egress.interfaces import (
+    IAskers,
     ICountedTunnel,
     IDialer,
     IDoorHandler,
@@ -140,6 +142,8 @@ class FrontDoor(Protocol):
         self.gone = False
         self.handler: IDoorHandler | None = None
         self.client = "?"
+        #: (client address, our address) as the kernel gave them.
+        self.ends: tuple[tuple[str, int], tuple[str, int]] = (("?", 0), ("?", 0))
         #: The client's bytes (and EOF) that came while ``DECIDING``, for the next reader.
         self.pending: list[bytes] = []
         self.pendingEOF = False
@@ -177,7 +181,7 @@ class FrontDoor(Protocol):
             return (getattr(p, "host", "?"), getattr(p, "port", 0)), (getattr(h, "host", "?"), getattr(h, "port", 0))
 
     def connectionMade(self) -> None:
-        peer, host = self._addresses()
+        peer, host = self.ends = self._addresses()
         self.client = f"{peer[0]}:{peer[1]}"
         self.factory.sessions.connected(self.client)
         self.factory.doors.add(self)
@@ -445,9 +449,6 @@ class FrontDoor(Protocol):
             then(ask.refusal(ask.name.reason))
             return
         session = self.factory.sessions.of(self.client)
-        held = self.held = registry.ask(
-            ask.host, ask.port, kind, self.client, None if session is None else f"session {session}"
-        )
 
         def answered(outcome: Outcome) -> None:
             self.held = None
@@ -458,7 +459,16 @@ class FrontDoor(Protocol):
                 return
             self._step(self.gate.approved(ask), then)
 
-        held.addCallbacks(answered, lambda f: f.trap(CancelledError)).addErrback(self._bug)
+        def asking(holder: str | None) -> None:
+            # The person sees what asks (egress/askers.py); a client gone
+            # meanwhile is asked about no more.
+            if self.gone:
+                return
+            process = ", ".join(p for p in (holder, None if session is None else f"session {session}") if p)
+            held = self.held = registry.ask(ask.host, ask.port, kind, self.client, process or None)
+            held.addCallbacks(answered, lambda f: f.trap(CancelledError)).addErrback(self._bug)
+
+        self.factory.askers.find(*self.ends).addCallback(asking).addErrback(self._bug)
 
     def _bug(self, f: Failure) -> None:
         self.factory.log.failure("egress: tunnel setup failed for {client}", f, client=self.client)
@@ -569,6 +579,7 @@ class EgressProxyFactory(Factory):
         spliceFast: bool = True,
         zeroCopyAfter: int = ZERO_COPY_AFTER,
         clock: IReactorTime | None = None,
+        askers: IAskers | None = None,
     ) -> None:
         self.holder = asHolder(config)
         self.zeroCopyAfter = zeroCopyAfter
@@ -577,6 +588,8 @@ class EgressProxyFactory(Factory):
         self.resolver: IResolver = resolver if resolver is not None else SystemResolver(reactor)
         self.dialer: IDialer = dialer if dialer is not None else tcpDialer(reactor)
         self.peers: IPeerChecker = peers if peers is not None else SameUserPeers()
+        #: What process asks, for a request held for the person (proxy.unlisted = "ask").
+        self.askers: IAskers = askers if askers is not None else ProcAskers(reactor)
         self.terminator = terminator
         self.audit = audit
         self.spliceFast = spliceFast

@@ -13,6 +13,7 @@ an injector on loopback without reaching into ``tests/`` (treq's
 - ``AllowAllPeers``: an ``IPeerChecker`` that lets every client in (the real one
   reads the kernel's socket table, which a test's client passes anyway).
 - ``FixedToken``: an ``ITokenHolder`` whose token the test sets directly.
+- ``FixedAskers``: an ``IAskers`` naming the asking process the test sets, at once.
 - ``UpstreamPKI``: a throwaway root CA and server certificates for a fake origin.
 - ``MemoryDialer``: an ``IDialer`` whose every dial connects at once to a
   ``StringTransport``, keeping the connected protocols in ``upstreams``.
@@ -52,7 +53,7 @@ from zope.interface import implementer
 
 from agentsandbox.allowlist import IPAddress
 from agentsandbox.egress.inject import IUpstreamPool, Route, _Tunnel, _Upstream
-from agentsandbox.egress.interfaces import IDialer, IPeerChecker, IResolver, ITokenHolder
+from agentsandbox.egress.interfaces import IAskers, IDialer, IPeerChecker, IResolver, ITokenHolder
 from agentsandbox.egress.resolve import ResolveError
 
 #: Where a dial with no route goes: a closed loopback port, so it is refused here.
@@ -141,6 +142,17 @@ class AllowAllPeers:
 
     def check(self, client: tuple[str, int], server: tuple[str, int]) -> str | None:
         return None
+
+
+@implementer(IAskers)
+@dataclass
+class FixedAskers:
+    """The asking process is what the test says, found at once (the /proc walk has its own tests)."""
+
+    text: str | None = None
+
+    def find(self, client: tuple[str, int], server: tuple[str, int]) -> Deferred[str | None]:
+        return succeed(self.text)
 
 
 @implementer(ITokenHolder)
