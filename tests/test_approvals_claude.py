@@ -18,6 +18,7 @@ Bash tool calls while the person, this test, answers through the real
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -126,6 +127,8 @@ class Person(threading.Thread):
     answers: list[tuple[str, ...]]
     done: list[subprocess.CompletedProcess[str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: Each held request as ``approvals --json`` listed it.
+    seen: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         threading.Thread.__init__(self, name="the person", daemon=True)
@@ -142,6 +145,7 @@ class Person(threading.Thread):
                     self.problems.append(f"nothing was held within {HOLD_WAIT}s for {answer}: {listed.stderr}")
                     return
                 time.sleep(0.1)
+            self.seen.append(held[0])
             self.done.append(self.stack.agentsandbox(answer[0], held[0]["id"], *answer[1:]))
 
 
@@ -184,6 +188,10 @@ def test_claude_codes_curl_waits_for_the_person_and_claude_code_cannot_answer(st
     first, second, fromBash = (o.text for o in run.outcomes)
     # 1. held, approved once by the person, through.
     assert [d.returncode for d in person.done] == [0, 0], person.done
+    # The person saw what asked (egress/askers.py): the process holding the client end, the
+    # host side of the sandbox's network bridge, and the Claude Code session behind it.
+    for request in person.seen:
+        assert re.fullmatch(r"\d+ [^,]+, session [0-9a-f-]{36}", request["process"] or ""), person.seen
     assert f"{LocalSite.BODY}: /first-{label}" in first, run.describe()
     # 2. asked again, and the person's no in the proxy's words.
     assert "403 Forbidden" in second, run.describe()

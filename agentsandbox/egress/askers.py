@@ -9,10 +9,13 @@ on a busy machine, beyond what one reactor event may take (issue 25's stalls),
 and is needed only when a request is held, so it runs in the reactor's thread
 pool before the request is shown.  What it cannot read is left out, never guessed.
 
-A sandboxed process is found like any other: bubblewrap's pid namespace hides
-nothing from the host's ``/proc``, and the user owns the sandbox's user
-namespace, so its descriptors are the user's to read.  Only the service user's
-processes are looked at: the peer check let in no other user's socket.
+A process in a sandbox that shares the host's network is found like any other:
+bubblewrap's pid namespace hides nothing from the host's ``/proc``, and the user
+owns the sandbox's user namespace, so its descriptors are the user's to read.
+Claude Code's and srt's sandboxes have their own network, bridged to the host by
+socat: the holder found there is the bridge, and the connection's session names
+the asker.  Only the service user's processes are looked at: the peer check let
+in no other user's socket.
 """
 
 from __future__ import annotations
