@@ -177,24 +177,29 @@ def runningBroker(extraToml: str = "") -> Iterator[tuple[BrokerProcess, str]]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def awaitExec(proc: subprocess.Popen[bytes]) -> None:
+def awaitExec(proc: subprocess.Popen[bytes], name: str = "sleep") -> None:
     """Wait for a ``sh -c '...; echo ready; exec CMD'`` child to say ready and
-    finish its exec.  Until the new image has its stack the kernel shows an
-    empty environ (a read right after "ready" saw one 83 times in 300), so a
-    test reading the child's /proc would race the exec."""
+    finish its exec of ``name``.  Until the new image has its stack the kernel
+    shows an empty environ (a read right after "ready" saw one 83 times in 300),
+    and the shell's own environ, read before its exec starts, says nothing of
+    when the exec ends; the new image's name (``comm``) is set after its memory
+    is in place, so the wait is for that name and an environ."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if line != b"ready\n":
         raise AssertionError(f"the child said {line!r}, not ready")
 
-    def environ() -> bytes:
+    def execed() -> bool:
         try:
+            with open(f"/proc/{proc.pid}/comm") as f:
+                if f.read().strip() != name:
+                    return False
             with open(f"/proc/{proc.pid}/environ", "rb") as f:
-                return f.read()
+                return bool(f.read())
         except OSError:
-            return b""
+            return False
 
-    waitFor(environ, timeout=10, what=f"pid {proc.pid} to finish its exec")
+    waitFor(execed, timeout=10, what=f"pid {proc.pid} to finish its exec of {name}")
 
 
 def killQuietly(proc: subprocess.Popen[Any]) -> None:
