@@ -19,6 +19,7 @@ from typing import Any
 
 from agentsandbox import cli
 from agentsandbox.config import Config, parse
+from agentsandbox.loader import checkLayout
 from agentsandbox.paths import DISPATCH_SOCKET_ENV, Paths
 
 
@@ -59,7 +60,8 @@ def _demoConfig(base: str) -> tuple[Config, dict[str, str], ThreadingHTTPServer]
         "proxy": {"port": _freePort(), "dispatch_socket": ""},
         "inject": [],
     }
-    return parse(data, "<demo: the built-in defaults, on a free port>", Paths.fromEnvironment(env)), env, upstream
+    config = checkLayout(parse(data, "<demo: the built-in defaults, on a free port>", Paths.fromEnvironment(env)))
+    return config, env, upstream
 
 
 def _proxyRequest(port: int, request: bytes) -> str:
