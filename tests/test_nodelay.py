@@ -80,7 +80,12 @@ def processSockets() -> list[tuple[Address, Address, int]]:
 
 class Held:
     """A blocking client in a thread: ``script`` runs on its connected socket,
-    then the connection stays open until ``release``."""
+    then the connection stays open until ``release``.
+
+    A script that wraps the socket (TLS) returns the wrapper: ``wrap_socket``
+    detaches the plain socket, so the wrapper alone owns the descriptor and is
+    held here, or the connection would close when the script returns.
+    """
 
     def __init__(self, port: int, script: Callable[[socket.socket], Any]) -> None:
         self.ready: Deferred[Any] = Deferred()
@@ -93,9 +98,13 @@ class Held:
                 with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
                     self.address = sock.getsockname()[:2]
                     self.clientNoDelay = _noDelay(sock)
-                    result = script(sock)
-                    reactor.callFromThread(self.ready.callback, result)
-                    self.go.wait(30)
+                    kept = script(sock)
+                    try:
+                        reactor.callFromThread(self.ready.callback, None)
+                        self.go.wait(30)
+                    finally:
+                        if isinstance(kept, socket.socket):
+                            kept.close()
             except BaseException as e:
                 if not self.ready.called:
                     reactor.callFromThread(self.ready.errback, e)
@@ -270,12 +279,13 @@ class NoDelayTests(TestCase):
         self.addCleanup(h.stop)
         context = ssl.create_default_context(cadata=inject.ca.pem.decode())
 
-        def script(sock: socket.socket) -> bytes:
+        def script(sock: socket.socket) -> ssl.SSLSocket:
             sock.sendall(b"CONNECT api.github.com:443 HTTP/1.1\r\nHost: api.github.com:443\r\n\r\n")
             readUntil(sock, b"\r\n\r\n")
             tls = context.wrap_socket(sock, server_hostname="api.github.com")
             tls.sendall(b"GET /user HTTP/1.1\r\nHost: api.github.com\r\n\r\n")
-            return readUntil(tls, b"octocat")  # (tls shares sock's descriptor: held open with it)
+            readUntil(tls, b"octocat")
+            return tls  # the descriptor is the wrapper's now: Held keeps it open
 
         held = await self.hold(h.port, script)
         await self.assertNoDelayTowards(held.address, "client")
