@@ -1,6 +1,7 @@
 """Egress proxy benchmark: one run, printed as ratios against baselines measured now.
 
     .venv/bin/python bench/egress.py [--bulk-mib 1024] [--tunnels 5000] [--concurrency 50] [--hold 500]
+                                     [--compare CHECKOUT]
 
 Measures, on this machine and in this run:
   * bulk: one tunnel carrying --bulk-mib MiB, client -> proxy -> origin, MB/s;
@@ -17,6 +18,11 @@ agentsandbox twice: with its zero-copy splice(2) and with Twisted's copy loop.
 agentsandbox runs with its real policy path: allow list, address check,
 same-user peer check and the audit log (journal lines to /dev/null).
 Every server runs in its own process; all share this machine's CPUs.
+
+``--compare CHECKOUT`` adds another checkout's proxy (same policy, zero-copy
+splice) as one more contender in the same interleaved rounds, and prints this
+checkout's figures over its: before and after a change in one run, each round's
+pair back to back, so load that comes and goes on the machine hits both alike.
 """
 
 from __future__ import annotations
@@ -192,10 +198,13 @@ def serveBare(port: int) -> None:
     exec(compile(BARE.replace("PORT", str(port)), "bare-twisted-splice", "exec"), {})
 
 
-def serveAgentsandbox(port: int, allowPorts: list[int], fast: bool, state: str, dispatchSocket: str | None = None) -> None:
+def serveAgentsandbox(
+    port: int, allowPorts: list[int], fast: bool, state: str, dispatchSocket: str | None = None, repo: str = REPO
+) -> None:
     """The proxy with its real policy path; on ``port``, or registered with the
-    dispatcher on ``dispatchSocket`` (bench/dispatch.py)."""
-    sys.path.insert(0, REPO)
+    dispatcher on ``dispatchSocket`` (bench/dispatch.py); ``repo``'s code (a
+    ``--compare`` checkout's, or this one's)."""
+    sys.path.insert(0, repo)
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
@@ -397,9 +406,9 @@ def freePort() -> int:
         return int(s.getsockname()[1])
 
 
-def child(*args: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *args], env=env, cwd=REPO)
+def child(*args: str, repo: str = REPO) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=repo)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *args], env=env, cwd=repo)
 
 
 def startSquid(workdir: str, port: int) -> subprocess.Popen[bytes] | None:
@@ -439,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             serveBare(int(rest[0]))
         elif kind in ("agentsandbox", "agentsandbox-copy"):
             serveAgentsandbox(int(rest[0]), [int(p) for p in rest[1:4]], kind == "agentsandbox", rest[4])
+        elif kind == "agentsandbox-compare":
+            serveAgentsandbox(int(rest[0]), [int(p) for p in rest[1:4]], True, rest[4], repo=rest[5])
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bulk-mib", type=int, default=1024)
@@ -446,10 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=50)
     p.add_argument("--hold", type=int, default=500)
     p.add_argument("--forward-mib", type=int, default=256)
-    p.add_argument("--forward-seconds", type=float, default=3.0)
+    p.add_argument("--forward-seconds", type=int, default=3, help="wrk -d: whole seconds")
     p.add_argument("--connections", type=int, default=8, help="wrk's connections for the forward rate")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    p.add_argument("--compare", metavar="CHECKOUT", help="also run another checkout's proxy in the same rounds")
     opts = p.parse_args(args)
+    compared = "agentsandbox --compare"
+    if opts.compare is not None:
+        opts.compare = os.path.abspath(opts.compare)
+        if not os.path.isfile(os.path.join(opts.compare, "agentsandbox", "egress", "proxy.py")):
+            p.error(f"--compare {opts.compare}: not a checkout of agentsandbox (no agentsandbox/egress/proxy.py)")
     size = opts.bulk_mib << 20
     work = tempfile.mkdtemp(prefix="egress-bench-")
     bulkPort, echoPort, httpPort = freePort(), freePort(), freePort()
@@ -471,6 +488,20 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(state)
         ports[name] = proxyPort
         procs[name] = child(kind, str(proxyPort), str(bulkPort), str(echoPort), str(httpPort), state)
+    if opts.compare is not None:
+        state = os.path.join(work, "compare")
+        os.makedirs(state)
+        ports[compared] = freePort()
+        procs[compared] = child(
+            "agentsandbox-compare",
+            str(ports[compared]),
+            str(bulkPort),
+            str(echoPort),
+            str(httpPort),
+            state,
+            opts.compare,
+            repo=opts.compare,
+        )
     try:
         waitPort(bulkPort)
         waitPort(echoPort)
@@ -503,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, got in samples.items()
         }
         # The forward path: only proxies that forward http:// (not the bare splice).
-        forwarders = [n for n in ports if n in ("direct", "squid", "agentsandbox")]
+        forwarders = [n for n in ports if n in ("direct", "squid", "agentsandbox", compared)]
         for name in forwarders:
             forwardBulk(ports[name], httpPort, min(forwardSize, 16 << 20))  # warm up
         fsamples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in forwarders}
@@ -523,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, got in fsamples.items()
         }
         idle, held = rssWithTunnels(procs["agentsandbox"].pid, ports["agentsandbox"] or 0, echoPort, opts.hold)
+        if opts.compare is not None:
+            comparedRSS = rssWithTunnels(procs[compared].pid, ports[compared] or 0, echoPort, opts.hold)
     finally:
         stopAll(procs.values())
         shutil.rmtree(work, ignore_errors=True)
@@ -572,6 +605,25 @@ def main(argv: list[str] | None = None) -> int:
     if "squid" in fresults:
         fsquid = fresults["squid"]
         print(f"  forward bulk vs squid: {fours[0] / fsquid[0]:.2f}x; requests/s vs squid: {fours[1] / fsquid[1]:.2f}x")
+    if opts.compare is not None:
+        print()
+        print(f"this checkout over --compare {opts.compare}, median of per-round pairs (1.00 = no change):")
+        rows = (
+            ("bulk MB/s", samples, 0),
+            ("new tunnels/s", samples, 1),
+            ("new tunnels per proxy CPU-second", samples, 2),
+            ("forward bulk MB/s", fsamples, 0),
+            ("forward requests/s", fsamples, 1),
+            ("forward requests per proxy CPU-second", fsamples, 2),
+        )
+        for label, table, i in rows:
+            pairs = [o[i] / c[i] for o, c in zip(table["agentsandbox"], table[compared], strict=True)]
+            shown = " ".join(f"{x:.2f}" for x in pairs)
+            print(f"  {label:38s} {statistics.median(pairs):.3f} ({shown})")
+        print(
+            f"  RSS: {idle:.0f} / {comparedRSS[0]:.0f} MB idle, "
+            f"{held:.0f} / {comparedRSS[1]:.0f} MB holding {opts.hold} tunnels"
+        )
     return 0
 
 
