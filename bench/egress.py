@@ -515,8 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         # Rounds interleave the contenders, so a burst of load from elsewhere on
         # the machine hits all of them; the median of each is reported.
         samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ports}
+        order = list(ports.items())
         for r in range(opts.rounds):
-            for name, port in ports.items():
+            # Each round starts one contender later, so no one always runs first.
+            for name, port in order[r % len(order) :] + order[: r % len(order)]:
                 pid = procs[name].pid if name in procs else None
                 mbs = bulk(port, bulkPort, size)
                 before = cpuSeconds(pid)
@@ -539,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             forwardBulk(ports[name], httpPort, min(forwardSize, 16 << 20))  # warm up
         fsamples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in forwarders}
         for r in range(opts.rounds):
-            for name in forwarders:
+            for name in forwarders[r % len(forwarders) :] + forwarders[: r % len(forwarders)]:
                 pid = procs[name].pid if name in procs else None
                 mbs = forwardBulk(ports[name], httpPort, forwardSize)
                 rps, perCPU = forwardRate(ports[name], httpPort, opts.forward_seconds, opts.connections, pid)
