@@ -21,8 +21,8 @@ Every server runs in its own process; all share this machine's CPUs.
 
 ``--compare CHECKOUT`` adds another checkout's proxy (same policy, zero-copy
 splice) as one more contender in the same interleaved rounds, and prints this
-checkout's figures over its: before and after a change in one run, each round's
-pair back to back, so load that comes and goes on the machine hits both alike.
+checkout's figures over its, round by round: before and after a change in one
+run, so load that comes and goes on the machine hits both alike.
 """
 
 from __future__ import annotations
